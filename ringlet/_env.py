@@ -1,0 +1,79 @@
+"""Every ``RINGLET_*`` environment variable is read here, and documented here once.
+
+| variable | meaning | default |
+|---|---|---|
+| ``RINGLET_TIMEOUT`` | default deadline (seconds) of every blocking call | 300 |
+| ``RINGLET_DEBUG`` | ``OFF``, ``INFO`` or ``DETAIL`` (cross-rank fingerprint checks with call sites) | OFF |
+| ``RINGLET_STORE_TOKEN`` | run token a TCPStore client must present | unset |
+| ``RINGLET_STORE_TOKEN_FILE`` | file (mode 0600) holding the run token; the launcher sets it | unset |
+| ``RINGLET_SHM_SLOT_BYTES`` | bytes of one shared-memory slot (chunk size) per rank | 1 MiB |
+| ``RINGLET_SAFE_OBJECTS`` | ``1``: object collectives unpickle only builtins, containers, tensors, numpy arrays | 0 |
+| ``RINGLET_AGENT_STORE`` | ``1``: the launcher hosts the store; every rank connects as a client | 0 |
+| ``RINGLET_FAULT`` | test-only fault injection, e.g. ``rank=1;at=collective:seq=5;do=sigkill`` | unset |
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_SLOT_BYTES = 1 << 20
+
+
+def timeout_seconds() -> float:
+    """Default deadline of blocking calls, from ``RINGLET_TIMEOUT`` (seconds)."""
+    raw = os.environ.get("RINGLET_TIMEOUT")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"RINGLET_TIMEOUT: expected a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"RINGLET_TIMEOUT: expected a positive number of seconds, got {raw!r}")
+    return value
+
+
+def default_timeout() -> timedelta:
+    return timedelta(seconds=timeout_seconds())
+
+
+def debug_level() -> str:
+    level = os.environ.get("RINGLET_DEBUG", os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF"))
+    level = level.strip().upper() or "OFF"
+    if level not in ("OFF", "INFO", "DETAIL"):
+        raise ValueError(f"RINGLET_DEBUG: expected OFF, INFO or DETAIL, got {level!r}")
+    return level
+
+
+def store_token() -> bytes | None:
+    """The run token, from ``RINGLET_STORE_TOKEN_FILE`` (preferred) or ``RINGLET_STORE_TOKEN``."""
+    path = os.environ.get("RINGLET_STORE_TOKEN_FILE")
+    if path:
+        with open(path, "rb") as f:
+            return f.read().strip() or None
+    raw = os.environ.get("RINGLET_STORE_TOKEN")
+    return raw.encode() if raw else None
+
+
+def shm_slot_bytes() -> int:
+    raw = os.environ.get("RINGLET_SHM_SLOT_BYTES")
+    if not raw:
+        return DEFAULT_SLOT_BYTES
+    value = int(raw)
+    if value < 4096:
+        raise ValueError(f"RINGLET_SHM_SLOT_BYTES: expected at least 4096, got {value}")
+    return value
+
+
+def safe_objects() -> bool:
+    return os.environ.get("RINGLET_SAFE_OBJECTS", "0") not in ("", "0", "false", "False")
+
+
+def agent_store() -> bool:
+    return os.environ.get("RINGLET_AGENT_STORE", "0") not in ("", "0")
+
+
+def fault_spec() -> str | None:
+    return os.environ.get("RINGLET_FAULT") or None
