@@ -77,3 +77,21 @@ def agent_store() -> bool:
 
 def fault_spec() -> str | None:
     return os.environ.get("RINGLET_FAULT") or None
+
+
+def env_rank() -> int | None:
+    """This process's rank from torchrun's ``RANK`` (None when unset); a store client claims it."""
+    raw = os.environ.get("RANK")
+    if raw is None or not raw.strip():
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"RANK: expected an integer, got {raw!r}") from None
+
+
+def run_prefix() -> str:
+    """Store key prefix that separates runs and restart generations sharing one store."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    gen = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return f"{run}/{gen}/" if run or gen else ""

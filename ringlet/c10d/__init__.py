@@ -1,0 +1,32 @@
+"""Process groups and collectives (the c10d layer): ringlet's own implementation."""
+
+from ringlet.c10d.collectives import (
+    all_gather, all_gather_coalesced, all_gather_into_tensor, all_reduce, all_reduce_coalesced, all_to_all,
+    all_to_all_single, barrier, broadcast, gather, monitored_barrier, reduce, reduce_scatter,
+    reduce_scatter_tensor, scatter,
+)
+from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.objects import (
+    all_gather_object, broadcast_object_list, gather_object, recv_object_list, scatter_object_list,
+    send_object_list,
+)
+from ringlet.c10d.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from ringlet.c10d.reduce_op import ReduceOp, _make_nccl_premul_sum, reduce_op
+from ringlet.c10d.work import Work
+from ringlet.c10d.world import (
+    GroupMember, destroy_process_group, get_backend, get_default_backend_for_device, get_global_rank,
+    get_group_rank, get_process_group_ranks, get_rank, get_world_size, group, init_process_group,
+    is_available, is_initialized, new_group, new_subgroups, new_subgroups_by_enumeration,
+)
+
+__all__ = [
+    "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_reduce", "all_reduce_coalesced",
+    "all_to_all", "all_to_all_single", "barrier", "broadcast", "gather", "monitored_barrier", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "scatter", "ProcessGroup", "all_gather_object",
+    "broadcast_object_list", "gather_object", "recv_object_list", "scatter_object_list", "send_object_list",
+    "P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send", "ReduceOp", "_make_nccl_premul_sum",
+    "reduce_op", "Work", "GroupMember", "destroy_process_group", "get_backend",
+    "get_default_backend_for_device", "get_global_rank", "get_group_rank", "get_process_group_ranks",
+    "get_rank", "get_world_size", "group", "init_process_group", "is_available", "is_initialized",
+    "new_group", "new_subgroups", "new_subgroups_by_enumeration",
+]

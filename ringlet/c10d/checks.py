@@ -1,0 +1,71 @@
+"""Argument checks shared by the collectives: raised before anything is sent (RELIABILITY C7),
+worded "expected ..., got ...", naming the op and the argument."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ringlet.transport.base import DTYPE_CODES
+
+__all__ = ["tensor", "tensor_list", "root", "same_dtype", "writable", "Staged"]
+
+_SUPPORTED = frozenset(DTYPE_CODES)
+
+
+def tensor(t: Any, op: str, arg: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {arg}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{op}: {arg}: expected a dense (strided) tensor, got layout {t.layout}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{op}: {arg}: expected a CPU tensor, got device {t.device} (ringlet's shm and "
+                         "inproc transports serve CPU tensors)")
+    if t.dtype not in _SUPPORTED:
+        raise TypeError(f"{op}: {arg}: unsupported dtype {t.dtype}")
+    return t
+
+
+def tensor_list(ts: Any, op: str, arg: str, length: int | None = None) -> list[torch.Tensor]:
+    if not isinstance(ts, (list, tuple)):
+        raise TypeError(f"{op}: {arg}: expected a list of tensors, got {type(ts).__name__}")
+    if length is not None and len(ts) != length:
+        raise ValueError(f"{op}: {arg}: expected {length} tensors (one per rank of the group), got {len(ts)}")
+    if not ts:
+        raise ValueError(f"{op}: {arg}: expected a non-empty list of tensors")
+    out = [tensor(t, op, f"{arg}[{i}]") for i, t in enumerate(ts)]
+    return out
+
+
+def same_dtype(op: str, want: torch.dtype, ts: list[torch.Tensor], arg: str) -> None:
+    for i, t in enumerate(ts):
+        if t.dtype != want:
+            raise TypeError(f"{op}: {arg}[{i}]: expected dtype {want} (like the input), got {t.dtype}")
+
+
+def root(r: Any, size: int, op: str, arg: str) -> int:
+    if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < size:
+        raise ValueError(f"{op}: {arg}: expected a rank in [0, {size}), got {r!r}")
+    return r
+
+
+def writable(t: torch.Tensor, op: str, arg: str) -> None:
+    for size, stride in zip(t.shape, t.stride()):
+        if stride == 0 and size > 1:
+            raise ValueError(f"{op}: {arg}: expected a tensor whose elements do not overlap (an expanded "
+                             "view cannot receive results); pass a tensor with its own storage")
+
+
+class Staged:
+    """A contiguous stand-in for a user tensor; ``finish()`` copies results back into a strided view."""
+
+    __slots__ = ("user", "buf")
+
+    def __init__(self, user: torch.Tensor) -> None:
+        self.user = user
+        self.buf = user if user.is_contiguous() else user.contiguous()
+
+    def finish(self) -> None:
+        if self.buf is not self.user:
+            self.user.copy_(self.buf)

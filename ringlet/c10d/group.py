@@ -1,0 +1,144 @@
+"""``ProcessGroup``: a set of ranks, its transport, sequence numbers and error policy.
+
+Collectives are issued through :meth:`ProcessGroup.run`.  A synchronous call
+runs inline on the caller's thread when nothing is queued (no thread hand-off
+on the latency path); otherwise, and for ``async_op=True``, it is queued on the
+group's communication thread, so operations on one group always run in issue
+order.  Point-to-point operations run on one thread per (peer, direction), so
+a pending large ``isend`` never blocks an ``irecv`` (see ``p2p.py``).
+
+A communication fault (timeout, dead peer, mismatch) poisons the group: the
+transport's abort flag makes every peer fail fast, and every later call here
+raises :class:`GroupAbortedError` citing the first error.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ringlet.c10d import faults
+from ringlet.c10d.work import Executor, Work
+from ringlet.errors import DistBackendError, GroupAbortedError
+from ringlet.transport.base import OpContext, Transport
+
+__all__ = ["ProcessGroup"]
+
+
+class ProcessGroup:
+    """Ranks ``ranks`` (global ranks, sorted) communicating over ``transport``.
+
+    ``rank()`` and ``size()`` are this rank's position in the group and its size
+    (methods, as in torch).  Prints as ``ProcessGroup(rank 1/2, ranks [0, 1], shm)``.
+    """
+
+    def __init__(self, name: str, ranks: list[int], group_rank: int, transport: Transport,
+                 timeout: float, backend: str, desc: str | None = None) -> None:
+        self.group_name = name
+        self.group_desc = desc or name
+        self._ranks = list(ranks)
+        self._rank = group_rank
+        self._size = len(ranks)
+        self.transport = transport
+        self.timeout = timeout
+        self.backend = backend
+        self._seq = 0
+        self._error: BaseException | None = None
+        self._executor = Executor(f"ringlet-{self.group_desc}")
+        self._p2p: dict[tuple[int, str], Executor] = {}
+        self._p2p_lock = threading.Lock()
+        self._fault = faults.parse_for(self._ranks[group_rank])
+        self.counters = {"collectives": 0, "bytes": 0}
+        self.destroyed = False
+
+    # -- torch's accessors ----------------------------------------------------------------
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def name(self) -> str:
+        return self.backend
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self._ranks)
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup(rank {self._rank}/{self._size}, ranks {self._ranks}, {self.backend})"
+
+    # -- running operations -----------------------------------------------------------------
+    def context(self, op: str, **fields: Any) -> OpContext:
+        """Allocate the next sequence number and the op's deadline."""
+        self.check_usable()
+        self._seq += 1
+        return OpContext.make(op, self._seq, self._rank, self._size, self.group_desc, self.timeout, **fields)
+
+    def check_usable(self) -> None:
+        if self.destroyed:
+            raise DistBackendError(f"{self!r} was destroyed; create a new group")
+        if self._error is not None:
+            raise GroupAbortedError(f"{self!r} is unusable after an earlier failure: {self._error}",
+                                    group=self.group_desc) from self._error
+
+    def run(self, fn: Callable[[], None], ctx: OpContext, result: Any, async_op: bool) -> Work | None:
+        """Run ``fn`` (which talks to the transport) in issue order; see the module docstring."""
+        if self._fault is not None:
+            self._fault.maybe_fire(ctx)
+        self.counters["collectives"] += 1
+        if not async_op and self._executor.pending == 0:
+            self._call(fn)
+            return None
+        work = Work(result, op=f"{ctx.op} #{ctx.seq}", bound=self.timeout)
+        self._executor.submit(lambda: self._call(fn), work)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def run_p2p(self, fn: Callable[[], None], peer: int, direction: str, ctx: OpContext,
+                result: Any) -> Work:
+        """Queue a send/recv on the (peer, direction) thread; returns its Work."""
+        key = (peer, direction)
+        with self._p2p_lock:
+            ex = self._p2p.get(key)
+            if ex is None:
+                ex = self._p2p[key] = Executor(f"ringlet-{self.group_desc}-{direction}-{peer}")
+        work = Work(result, op=f"{ctx.op} peer {peer}", bound=self.timeout)
+        ex.submit(lambda: self._call(fn, work), work)
+        return work
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.check_usable()
+        try:
+            with torch.no_grad():
+                fn(*args)
+        except DistBackendError as e:
+            self._poison(e)
+            raise
+
+    def _poison(self, err: BaseException) -> None:
+        if self._error is None:
+            self._error = err
+            try:
+                self.transport.abort(f"{type(err).__name__}: {err}")
+            except Exception:  # noqa: BLE001 - best effort; the local error is what matters
+                pass
+
+    def abort(self, reason: str = "aborted by the user") -> None:
+        """Poison this group on every rank (peers fail fast)."""
+        self._poison(GroupAbortedError(reason, group=self.group_desc))
+
+    def destroy(self) -> None:
+        """Bounded teardown: stop the threads, mark this rank departed, release the transport."""
+        if self.destroyed:
+            return
+        self.destroyed = True
+        self._executor.close(timeout=min(self.timeout, 5.0))
+        for ex in list(self._p2p.values()):
+            ex.close(timeout=1.0)
+        self.transport.close()

@@ -1,0 +1,351 @@
+"""The default world: ``init_process_group``, ``new_group`` and the rank/size getters.
+
+[Note: where the world lives]
+The world (default group, store, groups) lives in one place: a process-wide
+slot, or -- for threads started by ``ringlet.testing`` -- a ``ContextVar`` per
+thread, so that ranks can be threads in tests.  Objects that fire later (DDP's
+reducer, FSDP's hooks, DTensor) keep the group they were built with and never
+look the world up again.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import hashlib
+from datetime import timedelta
+from typing import Any
+
+from ringlet import _env
+from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.rendezvous import rendezvous, store_from_init_method, check_ranks
+from ringlet.errors import DistBackendError
+
+__all__ = [
+    "init_process_group", "destroy_process_group", "is_initialized", "is_available", "get_rank",
+    "get_world_size", "get_backend", "get_default_backend_for_device", "new_group", "new_subgroups",
+    "new_subgroups_by_enumeration", "get_process_group_ranks", "get_global_rank", "get_group_rank",
+    "GroupMember", "group", "resolve_group", "current_world",
+]
+
+_BACKENDS = ("auto", "shm", "inproc")
+
+
+@dataclasses.dataclass
+class _World:
+    rank: int
+    world_size: int
+    store: Any
+    backend: str
+    timeout: float
+    hosts: list[str]
+    default_pg: ProcessGroup | None = None
+    groups: list[ProcessGroup] = dataclasses.field(default_factory=list)
+    group_counts: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
+    owns_store: bool = False
+
+
+_process_world: list[_World | None] = [None]
+_thread_world: contextvars.ContextVar[_World | None] = contextvars.ContextVar("ringlet_world", default=None)
+_thread_mode: contextvars.ContextVar[bool] = contextvars.ContextVar("ringlet_thread_mode", default=False)
+# Inits per (store, rank): every rank re-initializes on a store as often as the others, so the
+# count gives all ranks the same fresh key prefix (stale keys of an earlier init are never read).
+_init_counts: dict[tuple[str, int], int] = {}
+
+
+def current_world(required: bool = True) -> _World | None:
+    w = _thread_world.get() if _thread_mode.get() else _process_world[0]
+    if w is None and required:
+        raise ValueError("Default process group has not been initialized, please make sure to call "
+                         "init_process_group.")
+    return w
+
+
+def _set_world(w: _World | None) -> None:
+    if _thread_mode.get():
+        _thread_world.set(w)
+    else:
+        _process_world[0] = w
+
+
+class _NonMember:
+    def __repr__(self) -> str:
+        return "GroupMember.NON_GROUP_MEMBER"
+
+
+class _WorldProxy:
+    """``group.WORLD``: stands for the current default group wherever a group is accepted."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_default_pg(), name)
+
+    def __repr__(self) -> str:
+        w = current_world(required=False)
+        return repr(w.default_pg) if w and w.default_pg else "group.WORLD (not initialized)"
+
+
+class GroupMember:
+    WORLD: Any = _WorldProxy()
+    NON_GROUP_MEMBER: Any = _NonMember()
+
+
+class group:  # noqa: N801 - torch's spelling
+    WORLD: Any = GroupMember.WORLD
+
+
+def _default_pg() -> ProcessGroup:
+    w = current_world()
+    if w is None or w.default_pg is None:  # pragma: no cover - current_world raised
+        raise AssertionError("no default group")
+    return w.default_pg
+
+
+def resolve_group(g: Any) -> ProcessGroup | None:
+    """The ProcessGroup for a ``group=`` argument; None when this rank is not a member."""
+    if g is None or g is GroupMember.WORLD:
+        return _default_pg()
+    if g is GroupMember.NON_GROUP_MEMBER:
+        return None
+    if isinstance(g, ProcessGroup):
+        return g
+    if hasattr(g, "_ringlet_pg"):      # objects that wrap a group (e.g. DeviceMesh views)
+        return g._ringlet_pg()
+    raise TypeError(f"group: expected a ProcessGroup (from new_group) or None, got {type(g).__name__}")
+
+
+def _timeout_seconds(timeout: timedelta | float | None) -> float:
+    if timeout is None:
+        return _env.timeout_seconds()
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if seconds <= 0:
+        raise ValueError(f"timeout: expected a positive duration, got {timeout!r}")
+    return seconds
+
+
+def _parse_backend(backend: str | None) -> str:
+    name = (backend or "auto").lower()
+    if ":" in name:   # "cpu:gloo,cuda:nccl": the cpu entry decides on a CPU-only runtime
+        parts = dict(p.split(":", 1) for p in name.split(",") if ":" in p)
+        name = parts.get("cpu", "auto")
+    if name in ("gloo", "mpi", "undefined"):
+        return "auto"   # ringlet's own transports serve CPU tensors (see docs/usage.md)
+    if name == "nccl":
+        raise ValueError("init_process_group: backend 'nccl' needs CUDA tensors and the torch-engine "
+                         "adapter; this runtime serves CPU tensors (use 'auto', 'shm' or 'gloo')")
+    if name not in _BACKENDS:
+        raise ValueError(f"init_process_group: backend: expected one of {_BACKENDS + ('gloo',)}, got {backend!r}")
+    return name
+
+
+def init_process_group(backend: str | None = None, init_method: str | None = None,
+                       timeout: timedelta | None = None, world_size: int = -1, rank: int = -1,
+                       store: Any = None, group_name: str = "", pg_options: Any = None,
+                       device_id: Any = None) -> None:
+    """Join the default process group (torch's signature).
+
+    Args:
+        backend: ``"auto"`` (default: shared memory among the ranks of a host),
+            ``"shm"``, ``"inproc"`` (ranks are threads; ``ringlet.testing``), or
+            torch's ``"gloo"`` / ``"cpu:gloo,cuda:nccl"`` spellings, which map to ``"auto"``.
+        init_method: ``env://`` (default: ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+            ``WORLD_SIZE``), ``tcp://host:port`` or ``file:///path``.
+        timeout: deadline of every blocking call (default ``RINGLET_TIMEOUT`` or 300 s).
+        store: a ready store (then ``rank`` and ``world_size`` are required).
+
+    Raises:
+        ValueError: bad configuration, naming the field and the ranks involved.
+        DistStoreError: ranks that never arrived, named, after ``timeout``.
+
+    Example::
+
+        import ringlet.distributed as dist
+        dist.init_process_group()            # under ringlet-run
+        t = torch.ones(4); dist.all_reduce(t)
+    """
+    if current_world(required=False) is not None:
+        raise ValueError("trying to initialize the default process group twice!")
+    name = _parse_backend(backend)
+    seconds = _timeout_seconds(timeout)
+    td = timedelta(seconds=seconds)
+    owns = store is None
+    if store is None:
+        store, rank, world_size = store_from_init_method(init_method, rank, world_size, td)
+    else:
+        if init_method is not None:
+            raise ValueError("init_process_group: give either init_method or store, not both")
+        check_ranks(rank, world_size)
+    from ringlet.store import PrefixStore
+
+    skey = (f"{store.host}:{store.port}" if hasattr(store, "port") else str(id(store)), rank)
+    _init_counts[skey] = count = _init_counts.get(skey, 0) + 1
+    root = PrefixStore(f"ringlet/{_env.run_prefix()}init{count}", store)
+    hosts = rendezvous(root, rank, world_size, name, seconds)
+    w = _World(rank, world_size, root, name, seconds, hosts, owns_store=owns)
+    w._raw_store = store  # type: ignore[attr-defined]
+    w.default_pg = _make_group(w, list(range(world_size)), "default_pg", name, seconds, "default_pg")
+    _set_world(w)
+
+
+def _make_group(w: _World, ranks: list[int], gid: str, backend: str, timeout: float,
+                desc: str) -> ProcessGroup:
+    from ringlet.store import PrefixStore
+
+    me = ranks.index(w.rank)
+    gstore = PrefixStore(f"pg/{gid}", w.store)
+    resolved = backend
+    if backend == "auto":
+        hosts = {w.hosts[r] for r in ranks}
+        if len(hosts) > 1:
+            raise DistBackendError(f"group {desc}: ranks {ranks} span {len(hosts)} hosts; the tcp transport "
+                                   "is not available in this version (one host only)")
+        resolved = "shm"
+    if resolved == "shm":
+        from ringlet.transport.shm import ShmTransport as T
+    else:
+        from ringlet.transport.inproc import InprocTransport as T  # type: ignore[assignment]
+    transport = T.create(gstore, me, len(ranks), timeout, desc)
+    pg = ProcessGroup(gid, ranks, me, transport, timeout, resolved, desc)
+    w.groups.append(pg)
+    return pg
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """Destroy ``group``, or (default) every group and the default world.  Bounded."""
+    w = current_world(required=False)
+    if w is None:
+        raise ValueError("destroy_process_group: no process group is initialized")
+    if group is not None and group is not GroupMember.WORLD:
+        pg = resolve_group(group)
+        if pg is not None:
+            pg.destroy()
+            if pg in w.groups:
+                w.groups.remove(pg)
+        return
+    for pg in reversed(w.groups):
+        pg.destroy()
+    w.groups.clear()
+    raw = getattr(w, "_raw_store", None)
+    if w.owns_store and raw is not None and hasattr(raw, "close"):
+        raw.close()
+    _set_world(None)
+
+
+def is_initialized() -> bool:
+    return current_world(required=False) is not None
+
+
+def is_available() -> bool:
+    return True
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (default: the world); -1 if not a member."""
+    pg = resolve_group(group)
+    return -1 if pg is None else pg.rank()
+
+
+def get_world_size(group: Any = None) -> int:
+    pg = resolve_group(group)
+    return -1 if pg is None else pg.size()
+
+
+def get_backend(group: Any = None) -> str:
+    pg = resolve_group(group)
+    if pg is None:
+        raise ValueError("get_backend: this rank is not a member of the group")
+    return pg.backend
+
+
+def get_default_backend_for_device(device: Any) -> str:
+    kind = device if isinstance(device, str) else getattr(device, "type", str(device))
+    kind = kind.split(":")[0]
+    if kind == "cpu":
+        return "auto"
+    if kind == "cuda":
+        return "nccl"
+    raise ValueError(f"get_default_backend_for_device: no default backend for device type {kind!r}")
+
+
+def new_group(ranks: list[int] | None = None, timeout: timedelta | None = None, backend: str | None = None,
+              pg_options: Any = None, use_local_synchronization: bool = False,
+              group_desc: str | None = None, device_id: Any = None) -> Any:
+    """Create a group of ``ranks`` (global ranks).  Like torch: every rank of the world calls it
+    (members only with ``use_local_synchronization=True``); non-members get
+    ``GroupMember.NON_GROUP_MEMBER``."""
+    w = current_world()
+    assert w is not None
+    members = sorted(range(w.world_size) if ranks is None else ranks)
+    if len(set(members)) != len(members):
+        raise ValueError(f"new_group: ranks: expected distinct ranks, got {ranks}")
+    bad = [r for r in members if not 0 <= r < w.world_size]
+    if bad or not members:
+        raise ValueError(f"new_group: ranks: expected ranks in [0, {w.world_size}), got {ranks}")
+    key = tuple(members)
+    count = w.group_counts.get(key, 0)
+    w.group_counts[key] = count + 1
+    gid = hashlib.sha1(repr(key).encode()).hexdigest()[:12] + f"-{count}"
+    if w.rank not in members:
+        return GroupMember.NON_GROUP_MEMBER
+    name = _parse_backend(backend) if backend else w.backend
+    seconds = _timeout_seconds(timeout) if timeout is not None else w.timeout
+    desc = group_desc or f"group{members}"
+    return _make_group(w, members, gid, name, seconds, desc)
+
+
+def new_subgroups(group_size: int | None = None, group: Any = None, timeout: timedelta | None = None,
+                  backend: str | None = None, pg_options: Any = None,
+                  group_desc: str | None = None) -> tuple[Any, list[Any]]:
+    """Split the world into consecutive subgroups of ``group_size`` ranks; returns (mine, all)."""
+    w = current_world()
+    assert w is not None
+    size = group_size if group_size is not None else int(__import__("os").environ.get("LOCAL_WORLD_SIZE", 0))
+    if size <= 0 or w.world_size % size:
+        raise ValueError(f"new_subgroups: group_size: expected a positive divisor of world size "
+                         f"{w.world_size}, got {group_size}")
+    lists = [list(range(i, i + size)) for i in range(0, w.world_size, size)]
+    return new_subgroups_by_enumeration(lists, timeout=timeout, backend=backend, group_desc=group_desc)
+
+
+def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]], timeout: timedelta | None = None,
+                                 backend: str | None = None, pg_options: Any = None,
+                                 group_desc: str | None = None) -> tuple[Any, list[Any]]:
+    seen: set[int] = set()
+    for ranks in ranks_per_subgroup_list:
+        if seen & set(ranks):
+            raise ValueError(f"new_subgroups_by_enumeration: rank(s) {sorted(seen & set(ranks))} appear in "
+                             "more than one subgroup")
+        seen |= set(ranks)
+    mine = None
+    subgroups = []
+    for ranks in ranks_per_subgroup_list:
+        g = new_group(ranks, timeout=timeout, backend=backend,
+                      group_desc=f"{group_desc}{ranks}" if group_desc else None)
+        subgroups.append(g)
+        if g is not GroupMember.NON_GROUP_MEMBER:
+            mine = g
+    return mine, subgroups
+
+
+def get_process_group_ranks(group: Any) -> list[int]:
+    pg = resolve_group(group)
+    if pg is None:
+        raise ValueError("get_process_group_ranks: this rank is not a member of the group")
+    return pg.ranks
+
+
+def get_global_rank(group: Any, group_rank: int) -> int:
+    pg = resolve_group(group)
+    if pg is None:
+        raise ValueError("get_global_rank: this rank is not a member of the group")
+    if not 0 <= group_rank < pg.size():
+        raise ValueError(f"get_global_rank: group_rank: expected 0 <= group_rank < {pg.size()}, got {group_rank}")
+    return pg.ranks[group_rank]
+
+
+def get_group_rank(group: Any, global_rank: int) -> int:
+    pg = resolve_group(group)
+    if pg is None:
+        raise ValueError("get_group_rank: this rank is not a member of the group")
+    if global_rank not in pg.ranks:
+        raise ValueError(f"get_group_rank: global rank {global_rank} is not part of group {pg.ranks}")
+    return pg.ranks.index(global_rank)

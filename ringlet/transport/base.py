@@ -1,0 +1,178 @@
+"""The transport interface: move bytes of contiguous tensors between the ranks of one group.
+
+A transport knows its ranks and nothing of groups' semantics: argument checks,
+sequence numbers, ordering, debug fingerprints and error policy live once, in
+the process-group layer (``ringlet.c10d``), which hands every call an
+:class:`OpContext`.  All tensors given to a transport are contiguous CPU
+tensors; outputs are written in place.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from ringlet.errors import DistError
+from ringlet.transport.reduce import RedOpType
+
+__all__ = ["OpContext", "Transport", "OPCODES", "DTYPE_CODES", "CODE_DTYPES"]
+
+# Operation codes carried in fingerprints (stable: they cross process boundaries).
+OPCODES: dict[str, int] = {
+    name: i
+    for i, name in enumerate(
+        [
+            "barrier", "all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
+            "reduce_scatter", "all_to_all", "send", "recv", "monitored_barrier", "agree",
+        ],
+        start=1,
+    )
+}
+OPNAMES = {v: k for k, v in OPCODES.items()}
+
+_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+    torch.complex128, torch.uint16, torch.uint32, torch.uint64,
+]
+DTYPE_CODES: dict[torch.dtype, int] = {d: i + 1 for i, d in enumerate(_DTYPES)}
+CODE_DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}
+
+
+@dataclasses.dataclass(slots=True)
+class OpContext:
+    """Everything a transport needs to run, check and explain one operation."""
+
+    op: str                      # public name, e.g. "all_reduce"
+    seq: int                     # per-group sequence number of this collective
+    rank: int                    # this rank's rank in the group
+    world_size: int
+    group: str                   # readable group name for messages
+    timeout: float               # seconds
+    deadline: float              # time.monotonic() value
+    dtype: torch.dtype | None = None
+    numel: int = 0               # elements of this rank's (input) tensor
+    root: int = -1               # group rank of the root / peer, -1 if none
+    redop: int = -1              # RedOpType value, -1 if none
+    shape: tuple[int, ...] | None = None   # full shape (debug DETAIL)
+    callsite: str | None = None  # user's file:line (debug DETAIL)
+    started: float = 0.0
+
+    @classmethod
+    def make(cls, op: str, seq: int, rank: int, world_size: int, group: str, timeout: float,
+             **fields: Any) -> OpContext:
+        now = time.monotonic()
+        return cls(op=op, seq=seq, rank=rank, world_size=world_size, group=group,
+                   timeout=timeout, deadline=now + timeout, started=now, **fields)
+
+    # Fingerprint: 3 int64 words exchanged with the data (see ringlet/transport/arena.py).
+    def fingerprint(self) -> tuple[int, int, int]:
+        dcode = DTYPE_CODES.get(self.dtype, 0) if self.dtype is not None else 0
+        word1 = OPCODES[self.op] | (dcode << 8) | ((self.redop + 1) << 16) | ((self.root + 1) << 24)
+        return (self.seq, word1, self.numel)
+
+    def describe(self) -> str:
+        """One line: ``all_reduce #5 float32[4] SUM``."""
+        parts = [f"{self.op} #{self.seq}"]
+        if self.dtype is not None:
+            shape = "x".join(map(str, self.shape)) if self.shape is not None else str(self.numel)
+            parts.append(f"{str(self.dtype).replace('torch.', '')}[{shape}]")
+        if self.redop >= 0:
+            parts.append(RedOpType(self.redop).name)
+        if self.root >= 0:
+            parts.append(f"root/peer {self.root}")
+        if self.callsite:
+            parts.append(f"at {self.callsite}")
+        return " ".join(parts)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def error(self, cls: type[DistError], what: str, **extra: Any) -> DistError:
+        """Build an error carrying the error-message contract's fields (RELIABILITY.md)."""
+        msg = (f"[rank {self.rank}/{self.world_size}] group {self.group}: {self.describe()}: {what} "
+               f"(elapsed {self.elapsed():.2f} s, timeout {self.timeout:.1f} s)")
+        return cls(msg, rank=self.rank, world_size=self.world_size, group=self.group, op=self.op,
+                   seq=self.seq, timeout=self.timeout, elapsed=self.elapsed(), **extra)
+
+
+def describe_fingerprint(fp: tuple[int, int, int]) -> str:
+    """Readable form of a peer's fingerprint (for mismatch reports)."""
+    seq, word1, numel = fp
+    op = OPNAMES.get(word1 & 0xFF, f"op{word1 & 0xFF}")
+    dtype = CODE_DTYPES.get((word1 >> 8) & 0xFF)
+    redop = ((word1 >> 16) & 0xFF) - 1
+    root = ((word1 >> 24) & 0xFFFF) - 1
+    parts = [f"{op} #{seq}"]
+    if dtype is not None:
+        parts.append(f"{str(dtype).replace('torch.', '')}[{numel}]")
+    if redop >= 0:
+        parts.append(RedOpType(redop).name)
+    if root >= 0:
+        parts.append(f"root/peer {root}")
+    return " ".join(parts)
+
+
+class Transport(abc.ABC):
+    """Moves and reduces the bytes of contiguous tensors among ``world_size`` ranks."""
+
+    name: str = "?"
+    rank: int
+    world_size: int
+
+    @abc.abstractmethod
+    def all_reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, ctx: OpContext) -> None:
+        """Reduce ``buf`` across ranks, result in ``buf`` on every rank."""
+
+    @abc.abstractmethod
+    def reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, root: int,
+               ctx: OpContext) -> None:
+        """Reduce ``buf`` across ranks into ``buf`` on ``root``; others' ``buf`` unchanged."""
+
+    @abc.abstractmethod
+    def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext) -> None:
+        """Copy root's ``buf`` into everyone's ``buf``."""
+
+    @abc.abstractmethod
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext) -> None:
+        """``out`` (world_size * inp.numel elements) receives every rank's ``inp`` in rank order."""
+
+    @abc.abstractmethod
+    def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext) -> None:
+        """Like all_gather but only ``root`` receives (``out`` is None elsewhere)."""
+
+    @abc.abstractmethod
+    def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext) -> None:
+        """Root's ``inp`` (world_size * out.numel elements) is split in rank order."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: RedOpType,
+                       factor: float | None, ctx: OpContext) -> None:
+        """Block ``r`` of every rank's ``inp`` is reduced into rank ``r``'s ``out``."""
+
+    @abc.abstractmethod
+    def all_to_all(self, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
+                   out_splits: list[int], ctx: OpContext) -> None:
+        """Byte-level all-to-all: ``inp`` (uint8) holds ``in_splits[j]`` bytes for rank j, in order."""
+
+    @abc.abstractmethod
+    def barrier(self, ctx: OpContext) -> None:
+        """Return once every rank has entered the barrier."""
+
+    @abc.abstractmethod
+    def send(self, buf: torch.Tensor, dst: int, tag: int, ctx: OpContext) -> None:
+        """Deliver ``buf``'s bytes to ``dst``; returns once they are handed over."""
+
+    @abc.abstractmethod
+    def recv(self, buf: torch.Tensor, src: int | None, tag: int, ctx: OpContext) -> int:
+        """Receive into ``buf`` from ``src`` (None: any rank); returns the source rank."""
+
+    def abort(self, reason: str) -> None:
+        """Poison the transport so that every rank's pending and later calls fail fast."""
+
+    def close(self) -> None:
+        """Release resources; bounded, never blocks on peers."""

@@ -1,0 +1,62 @@
+"""The ``inproc`` transport: ranks are threads of one process, the arena is process memory.
+
+It runs the very same protocol and algorithms as ``shm`` (see [Note: arena
+protocol]), so logic tested with threads in milliseconds is the logic that
+runs across processes.  Liveness of a peer is the liveness of its thread.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from datetime import timedelta
+
+from ringlet.transport.arena import Arena, ArenaLayout, default_p2p_bytes
+from ringlet.transport.arena_algos import ArenaTransport
+
+__all__ = ["InprocTransport"]
+
+DEFAULT_SLOT_BYTES = 64 * 1024   # small, so that tests exercise chunking
+
+_lock = threading.Lock()
+_arenas: dict[str, tuple[bytearray, dict[int, threading.Thread]]] = {}
+
+
+class InprocTransport(ArenaTransport):
+    """Arena transport among threads of this process (for tests and ``ringlet.testing``)."""
+
+    name = "inproc"
+
+    def __init__(self, arena: Arena, threads: dict[int, threading.Thread]) -> None:
+        super().__init__(arena)
+        self._threads = threads
+
+    @classmethod
+    def create(cls, store, rank: int, world_size: int, timeout: float, group: str,
+               slot_bytes: int | None = None) -> InprocTransport:
+        slot = slot_bytes or DEFAULT_SLOT_BYTES
+        layout = ArenaLayout(world_size, slot, default_p2p_bytes(world_size, slot))
+        if rank == 0:
+            key = secrets.token_hex(8)
+            memory = bytearray(layout.total)
+            with _lock:
+                _arenas[key] = (memory, {})
+            store.set("inproc/key", key)
+        else:
+            key = store.get("inproc/key").decode()
+        with _lock:
+            memory, threads = _arenas[key]
+            threads[rank] = threading.current_thread()
+        arena = Arena(memory, layout, rank, alive=lambda r: threads[r].is_alive(),
+                      describe_peer=lambda r: f"thread {threads[r].name}")
+        if rank == 0:
+            arena.init_header(threading.get_ident())
+        store.set(f"inproc/attached/{rank}", b"1")
+        store.wait([f"inproc/attached/{r}" for r in range(world_size)], timedelta(seconds=timeout))
+        if rank == 0:
+            with _lock:
+                _arenas.pop(key, None)
+        return cls(arena, threads)
+
+    def close(self) -> None:
+        self.mark_departed()
