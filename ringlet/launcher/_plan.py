@@ -1,0 +1,283 @@
+"""Pure launch planning: command line -> :class:`LaunchConfig` -> per-worker environments.
+
+Nothing here starts a process, opens a socket or reads the clock, so every rule of the
+launcher's interface (flag spellings, defaults, validation, the environment each worker
+gets) is unit-tested without processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "LaunchConfig",
+    "build_parser",
+    "error_file",
+    "parse_args",
+    "parse_nproc",
+    "worker_command",
+    "worker_env",
+]
+
+PROG = "ringlet-run"
+WORKER_MODULE = "ringlet.launcher._worker"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """One launch, as the command line asked for it (validated on construction)."""
+
+    entrypoint: str  # script path, module name (``module``) or command (``no_python``)
+    args: tuple[str, ...] = ()  # arguments passed through to the entrypoint
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: the store binds a free port and the workers get the real one
+    standalone: bool = False
+    max_restarts: int = 0
+    rdzv_id: str | None = None
+    monitor_interval: float = 0.1  # seconds between polls of the workers
+    grace_period: float = 5.0  # seconds between SIGTERM and SIGKILL at teardown
+    module: bool = False
+    no_python: bool = False
+
+    def __post_init__(self) -> None:
+        _check(bool(self.entrypoint), "a training script, module or command", repr(self.entrypoint))
+        _check(self.nproc_per_node >= 1, "--nproc-per-node >= 1", self.nproc_per_node)
+        _check(self.nnodes >= 1, "--nnodes >= 1", self.nnodes)
+        _check(
+            0 <= self.node_rank < self.nnodes,
+            f"0 <= --node-rank < --nnodes ({self.nnodes})",
+            self.node_rank,
+        )
+        _check(0 <= self.master_port <= 65535, "--master-port in [0, 65535]", self.master_port)
+        _check(bool(self.master_addr), "a non-empty --master-addr", repr(self.master_addr))
+        _check(self.max_restarts >= 0, "--max-restarts >= 0", self.max_restarts)
+        _check(self.monitor_interval > 0, "--monitor-interval > 0", self.monitor_interval)
+        _check(self.grace_period >= 0, "--grace-period >= 0", self.grace_period)
+        _check(
+            not (self.module and self.no_python),
+            "at most one of -m/--module and --no-python",
+            "both",
+        )
+        _check(
+            not (self.standalone and self.nnodes > 1),
+            "--nnodes 1 with --standalone",
+            self.nnodes,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.nproc_per_node + local_rank
+
+
+def _check(ok: bool, expected: str, got: object) -> None:
+    if not ok:
+        raise ValueError(f"expected {expected}, got {got}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises ``ValueError`` instead of exiting, so callers (and tests) decide what to do."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(message)
+
+
+def parse_nproc(value: str, cpu_count: int | None = None) -> int:
+    """``--nproc-per-node``: a positive integer, or ``cpu``/``auto`` for the CPU count."""
+    text = value.strip().lower()
+    if text in ("cpu", "auto"):
+        return cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer, 'cpu' or 'auto', got {value!r}"
+        ) from None
+
+
+def _nnodes(value: str) -> int:
+    # torchrun accepts "N" or "MIN:MAX"; only a fixed size is meaningful here.
+    lo, _, hi = value.partition(":")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer or MIN:MAX, got {value!r}"
+        ) from None
+    if low != high:
+        raise argparse.ArgumentTypeError(
+            f"expected a fixed node count (elastic MIN:MAX is not supported), got {value!r}"
+        )
+    return high
+
+
+def _int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+
+
+def _seconds(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ringlet-run`` parser; torchrun's dash and underscore spellings are both accepted."""
+    p = _Parser(prog=PROG, allow_abbrev=False, description="Launch local worker processes.")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=parse_nproc, default=1,
+                   metavar="N", help="workers on this node: an integer, 'cpu' or 'auto'")
+    p.add_argument("--nnodes", type=_nnodes, default=1, help="number of nodes (only 1 for now)")
+    p.add_argument("--node-rank", "--node_rank", type=_int, default=0)
+    p.add_argument("--master-addr", "--master_addr", default=None,
+                   help="address the rendezvous store binds (default 127.0.0.1)")
+    p.add_argument("--master-port", "--master_port", type=_int, default=None,
+                   help="port of the rendezvous store (default: a free one the store picks)")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST[:PORT]",
+                   help="same as --master-addr/--master-port, torchrun's spelling")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", default="static",
+                   help="accepted for torchrun compatibility; the launcher hosts the store")
+    p.add_argument("--rdzv-id", "--rdzv_id", default=None,
+                   help="run id given to workers as TORCHELASTIC_RUN_ID (default: random)")
+    p.add_argument("--standalone", action="store_true",
+                   help="single node, store on 127.0.0.1 at a free port")
+    p.add_argument("--max-restarts", "--max_restarts", type=_int, default=0)
+    p.add_argument("--monitor-interval", "--monitor_interval", type=_seconds, default=0.1)
+    p.add_argument("--grace-period", "--grace_period", type=_seconds, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping workers")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="run the entrypoint as a module, like python -m")
+    p.add_argument("--no-python", "--no_python", action="store_true",
+                   help="run the entrypoint as a command, without the python interpreter")
+    p.add_argument("training_script", help="script, module (-m) or command (--no-python)")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _endpoint(text: str) -> tuple[str, int | None]:
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        return text, None
+    try:
+        return host, int(port)
+    except ValueError:
+        raise ValueError(f"expected --rdzv-endpoint HOST[:PORT], got {text!r}") from None
+
+
+def parse_args(argv: Sequence[str]) -> LaunchConfig:
+    """Parse a ``ringlet-run`` command line (without the program name).
+
+    Raises ``ValueError`` worded "expected …, got …" for bad values, and argparse's
+    wording for unknown flags or a missing script.
+    """
+    ns = build_parser().parse_args(list(argv))
+    addr, port = ns.master_addr, ns.master_port
+    if ns.rdzv_endpoint:
+        ep_host, ep_port = _endpoint(ns.rdzv_endpoint)
+        addr = addr or ep_host
+        port = port if port is not None else ep_port
+    if ns.standalone:
+        addr, port = "127.0.0.1", 0
+    return LaunchConfig(
+        entrypoint=ns.training_script,
+        args=tuple(ns.training_script_args),
+        nproc_per_node=ns.nproc_per_node,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        master_addr=addr or "127.0.0.1",
+        master_port=port if port is not None else 0,
+        standalone=ns.standalone,
+        max_restarts=ns.max_restarts,
+        rdzv_id=ns.rdzv_id,
+        monitor_interval=ns.monitor_interval,
+        grace_period=ns.grace_period,
+        module=ns.module,
+        no_python=ns.no_python,
+    )
+
+
+def error_file(run_dir: str, restart_count: int, rank: int) -> str:
+    """Where the worker of ``rank`` in generation ``restart_count`` writes its traceback."""
+    return os.path.join(run_dir, f"error-gen{restart_count}-rank{rank}.json")
+
+
+def worker_env(
+    config: LaunchConfig,
+    local_rank: int,
+    restart_count: int,
+    port: int,
+    *,
+    run_id: str,
+    run_dir: str,
+    token_file: str,
+    launcher_pid: int | None = None,
+    base_env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The full environment of one worker: ``base_env`` plus torchrun's and ringlet's variables.
+
+    ``port`` is the port the store really bound. ``OMP_NUM_THREADS=1`` is added when
+    ``base_env`` lacks it and more than one worker shares the node.
+
+    Example::
+
+        >>> cfg = LaunchConfig(entrypoint="train.py", nproc_per_node=2)
+        >>> env = worker_env(cfg, 1, 0, 29500, run_id="r", run_dir="/tmp/d",
+        ...                  token_file="/tmp/d/token", base_env={})
+        >>> env["RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]
+        ('1', '2', '29500')
+    """
+    if not 0 <= local_rank < config.nproc_per_node:
+        raise ValueError(
+            f"expected 0 <= local_rank < {config.nproc_per_node}, got {local_rank}"
+        )
+    rank = config.global_rank(local_rank)
+    env = dict(os.environ if base_env is None else base_env)
+    if "OMP_NUM_THREADS" not in env and config.nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    env.update({
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(config.world_size),
+        "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+        "GROUP_RANK": str(config.node_rank),
+        "GROUP_WORLD_SIZE": str(config.nnodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(config.world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": config.master_addr,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+        "TORCHELASTIC_ERROR_FILE": error_file(run_dir, restart_count, rank),
+        "RINGLET_AGENT_STORE": "1",
+        "RINGLET_STORE_TOKEN_FILE": token_file,
+        "RINGLET_RUN_DIR": run_dir,
+        "RINGLET_GENERATION": str(restart_count),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if launcher_pid is not None:
+        env["RINGLET_LAUNCHER_PID"] = str(launcher_pid)
+    return env
+
+
+def worker_command(config: LaunchConfig, python: str | None = None) -> list[str]:
+    """argv of every worker: the bootstrap module, then the user's entrypoint and arguments."""
+    head = [python or sys.executable, "-m", WORKER_MODULE]
+    if config.module:
+        head.append("-m")
+    elif config.no_python:
+        head.append("--no-python")
+    return [*head, config.entrypoint, *config.args]

@@ -1,0 +1,144 @@
+"""In-worker bootstrap: ``python -m ringlet.launcher._worker [-m | --no-python] TARGET ARGS...``.
+
+The launcher starts every worker through this module, which, before the user's code runs:
+
+1. asks the kernel to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``),
+   then checks the parent is still the launcher (``RINGLET_LAUNCHER_PID``), which closes
+   the race of a launcher that died before the request was made;
+2. enables ``faulthandler`` (a crash prints the Python stack before the signal kills us);
+3. installs an excepthook that writes the uncaught exception as JSON (rank, pid,
+   timestamp, traceback) to ``TORCHELASTIC_ERROR_FILE``, which the launcher's failure
+   summary reads;
+4. runs the target: a script with ``runpy.run_path(..., run_name="__main__")`` (so
+   ``sys.modules["__main__"]`` is the script and ``multiprocessing``'s spawn re-imports it),
+   a module with ``runpy.run_module(..., alter_sys=True)``, or, with ``--no-python``,
+   ``execvp`` of a command (the death signal survives ``exec``).
+
+Only the standard library is imported here: a worker starts in well under a second.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+from types import TracebackType
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent exits (Linux only).
+
+    The signal follows the parent *thread* that forked us, which is why the launcher
+    spawns workers from its main thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def _exit_if_orphaned() -> None:
+    expected = os.environ.get("RINGLET_LAUNCHER_PID")
+    if expected and os.getppid() != int(expected):
+        # The launcher died between our fork and the prctl above: nobody will reap or
+        # stop us, so leave now rather than run a job that no longer exists.
+        os._exit(1)
+
+
+def _frame_file(tb: TracebackType) -> str:
+    name = tb.tb_frame.f_code.co_filename
+    return name if name.startswith("<") else os.path.abspath(name)
+
+
+def _user_traceback(tb: TracebackType | None) -> TracebackType | None:
+    # Drop this bootstrap's and runpy's frames, so the report starts in the user's code.
+    # runpy is frozen into the interpreter since 3.11: its frames say "<frozen runpy>".
+    skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    while tb is not None and _frame_file(tb) in skip:
+        if tb.tb_next is None:
+            break
+        tb = tb.tb_next
+    return tb
+
+
+def write_error_file(path: str, exc: BaseException, tb: TracebackType | None) -> None:
+    """Write one uncaught exception as JSON to ``path`` (atomically: temp file + rename)."""
+    record = {
+        "rank": int(os.environ.get("RANK", "-1")),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "-1")),
+        "pid": os.getpid(),
+        "timestamp": time.time(),
+        "exc_type": type(exc).__qualname__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, _user_traceback(tb))),
+    }
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def install_excepthook() -> None:
+    """Record uncaught exceptions to ``TORCHELASTIC_ERROR_FILE``, then print them as usual."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    previous = sys.excepthook
+
+    def hook(
+        exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+    ) -> None:
+        try:
+            write_error_file(path, exc, tb)
+        except OSError as err:
+            print(f"ringlet: could not write error file {path}: {err}", file=sys.stderr)
+        if previous is sys.__excepthook__:
+            # The default hook prints exc.__traceback__ whatever tb it is given.
+            traceback.print_exception(exc_type, exc, _user_traceback(tb), file=sys.stderr)
+        else:
+            previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+
+def _run_script(path: str, args: list[str]) -> None:
+    sys.argv = [path, *args]
+    # As ``python script.py`` does: the script's directory comes first on sys.path.
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    runpy.run_path(path, run_name="__main__")
+
+
+def _run_module(name: str, args: list[str]) -> None:
+    sys.argv = [name, *args]  # run_module replaces argv[0] with the module's file
+    runpy.run_module(name, run_name="__main__", alter_sys=True)
+
+
+def main(argv: list[str]) -> None:
+    if not argv or (argv[0] in ("-m", "--no-python") and len(argv) < 2):
+        raise SystemExit("usage: python -m ringlet.launcher._worker [-m | --no-python] TARGET ...")
+    set_parent_death_signal()
+    _exit_if_orphaned()
+    install_excepthook()
+    if argv[0] == "--no-python":
+        sys.stdout.flush()
+        os.execvp(argv[1], argv[1:])
+    faulthandler.enable()
+    if argv[0] == "-m":
+        _run_module(argv[1], argv[2:])
+    else:
+        _run_script(argv[0], argv[1:])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
