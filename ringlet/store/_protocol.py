@@ -1,0 +1,394 @@
+"""TCPStore wire protocol: handshake, frames, size caps.
+
+[Note: store protocol]
+1. On accept the server sends ``SERVER_HELLO``: magic, version, flags (token
+   required?) and a 32-byte random nonce.
+2. The client answers with a fixed-size ``CLIENT_HELLO``: magic, version, flags
+   (MAC present, counts as a participant), ``HMAC-SHA256(token, nonce)`` and the
+   rank it claims (-1: none). Fixed sizes mean nothing an unauthenticated peer
+   sends can make the server allocate; a peer that has not finished within the
+   handshake deadline is dropped (anti-slowloris, RELIABILITY.md S6).
+3. The server answers one status byte (``HS_OK`` or a refusal, then closes).
+4. Then requests and responses are frames: ``!Q`` payload length, then payload =
+   ``!BI`` (op or status, argc) and argc ``!I``-length-prefixed byte strings.
+   Lengths are checked against the caps below *before* any buffer is allocated.
+One request is outstanding per connection; ``MULTI_GET``/``WAIT`` may be parked by
+the server until their keys exist, and the only request allowed while parked is
+``CANCEL`` (the client's deadline passed), answered with ``CANCELED`` after any
+reply already in flight, so the connection stays usable after a timeout (S4).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import socket
+import struct
+import time
+
+from ringlet.errors import DistNetworkError, DistStoreError
+from ringlet.store.base import parse_counter
+
+MAGIC = b"RNGLSTOR"
+VERSION = 1
+MAX_KEY_BYTES = 4 << 10  # 4 KiB, as RELIABILITY.md "Security" asks
+MAX_VALUE_BYTES = 64 << 20  # 64 MiB per value
+MAX_ARGS = 1 << 16  # keys of one multi_get/multi_set
+MAX_REQUEST_BYTES = MAX_VALUE_BYTES + (1 << 20)  # one value plus room for keys and headers
+MAX_RESPONSE_BYTES = 1 << 34  # a multi_get may return many values; the server is trusted
+MAX_KEYS = 1 << 22  # keys per store (per job)
+MAX_CONNECTIONS = 4096
+HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection is dropped after this
+
+# Handshake flags.
+SERVER_NEEDS_TOKEN = 1
+CLIENT_HAS_MAC = 1
+CLIENT_JOINS = 2  # this connection is a participant (counts towards world_size)
+
+SERVER_HELLO = struct.Struct("!8sHH32s")
+CLIENT_HELLO = struct.Struct("!8sHH32si")
+HS_OK, HS_BAD_TOKEN, HS_BAD_VERSION = 0, 1, 2
+
+FRAME_LEN = struct.Struct("!Q")
+PAYLOAD_HEAD = struct.Struct("!BI")
+ARG_LEN = struct.Struct("!I")
+
+
+class Op(enum.IntEnum):
+    SET = 1
+    MULTI_GET = 2  # parks until every key exists
+    ADD = 3
+    COMPARE_SET = 4
+    WAIT = 5  # parks until every key exists
+    CHECK = 6
+    DELETE = 7
+    NUM_KEYS = 8
+    MULTI_SET = 9
+    APPEND = 10
+    CANCEL = 11  # the client gave up on its parked request
+    PING = 12
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    ERROR = 1  # a DistStoreError on the client
+    VALUE_ERROR = 2  # a ValueError on the client (e.g. add on a non-integer)
+    CANCELED = 3
+
+
+class ProtocolError(Exception):
+    """The peer broke the protocol; the connection is closed."""
+
+
+def token_mac(token: bytes, nonce: bytes) -> bytes:
+    return hmac.new(token, nonce, hashlib.sha256).digest()
+
+
+def encode_frame(code: int, args: list[bytes]) -> bytes:
+    parts = [PAYLOAD_HEAD.pack(code, len(args))]
+    for arg in args:
+        parts.append(ARG_LEN.pack(len(arg)))
+        parts.append(arg)
+    payload_len = sum(len(p) for p in parts)
+    return FRAME_LEN.pack(payload_len) + b"".join(parts)
+
+
+def decode_payload(payload: bytes | bytearray | memoryview) -> tuple[int, list[bytes]]:
+    """Split a frame payload into (code, args); every length is checked against what remains."""
+    view = memoryview(payload)
+    if len(view) < PAYLOAD_HEAD.size:
+        raise ProtocolError(f"frame of {len(view)} bytes is shorter than its header")
+    code, argc = PAYLOAD_HEAD.unpack_from(view)
+    if argc > MAX_ARGS:
+        raise ProtocolError(f"frame claims {argc} arguments, at most {MAX_ARGS} allowed")
+    pos, args = PAYLOAD_HEAD.size, []
+    for _ in range(argc):
+        if pos + ARG_LEN.size > len(view):
+            raise ProtocolError("frame truncated inside an argument header")
+        (n,) = ARG_LEN.unpack_from(view, pos)
+        pos += ARG_LEN.size
+        if n > len(view) - pos:
+            raise ProtocolError(f"argument of {n} bytes overruns its frame")
+        args.append(bytes(view[pos : pos + n]))
+        pos += n
+    if pos != len(view):
+        raise ProtocolError(f"{len(view) - pos} trailing bytes after the last argument")
+    return code, args
+
+
+class FrameReader:
+    """Incremental frame splitter for the non-blocking server (caps checked first)."""
+
+    def __init__(self, max_frame: int = MAX_REQUEST_BYTES) -> None:
+        self._buf = bytearray()
+        self._max = max_frame
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Append received bytes; return the complete payloads now available."""
+        self._buf += data
+        frames = []
+        while len(self._buf) >= FRAME_LEN.size:
+            (n,) = FRAME_LEN.unpack_from(self._buf)
+            if n > self._max:
+                raise ProtocolError(f"frame of {n} bytes exceeds the cap of {self._max}")
+            if len(self._buf) < FRAME_LEN.size + n:
+                break
+            frames.append(bytes(self._buf[FRAME_LEN.size : FRAME_LEN.size + n]))
+            del self._buf[: FRAME_LEN.size + n]
+        return frames
+
+
+class ConnectionLost(Exception):
+    """The server closed the connection or reset it (EOF, ECONNRESET, EPIPE)."""
+
+
+class DeadlinePassed(Exception):
+    """A read passed its deadline; ``mid_frame`` means part of a frame was consumed,
+    so the connection is out of step and must be dropped."""
+
+    def __init__(self, mid_frame: bool) -> None:
+        super().__init__("deadline passed" + (" in the middle of a frame" if mid_frame else ""))
+        self.mid_frame = mid_frame
+
+
+def client_handshake(
+    sock: socket.socket, token: bytes | None, join: bool, rank: int, deadline: float, where: str
+) -> None:
+    """The client's half of the handshake (see the note at the top).
+
+    Raises:
+        DistStoreError: the server refused our run token.
+        DistNetworkError: the peer is not a ringlet store, or speaks another version.
+        ConnectionLost, DeadlinePassed: worth a retry (server full or restarting).
+    """
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    magic, version, _flags, nonce = SERVER_HELLO.unpack(recv_exact(sock, SERVER_HELLO.size, deadline))
+    if magic != MAGIC:
+        raise DistNetworkError(
+            f"the peer at {where} is not a ringlet store (greeting {magic!r})", store=where
+        )
+    mac = token_mac(token, nonce) if token else bytes(32)
+    flags = (CLIENT_HAS_MAC if token else 0) | (CLIENT_JOINS if join else 0)
+    sock.settimeout(max(deadline - time.monotonic(), 0.01))
+    sock.sendall(CLIENT_HELLO.pack(MAGIC, VERSION, flags, mac, rank))
+    (status,) = recv_exact(sock, 1, deadline)
+    if status == HS_BAD_TOKEN:
+        hint = "" if token else " (this client has no token: set RINGLET_STORE_TOKEN_FILE)"
+        raise DistStoreError(
+            f"store refused the connection: bad run token ({where}){hint}", store=where
+        )
+    if status != HS_OK:
+        raise DistNetworkError(
+            f"store at {where} speaks protocol version {version}, this client {VERSION}: "
+            "expected the same ringlet version on every host",
+            store=where,
+        )
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    """Read exactly ``n`` bytes before ``deadline`` (monotonic; None = no deadline).
+
+    Raises ``DeadlinePassed`` at the deadline and ``ConnectionLost`` on EOF/reset.
+    Signals do not shorten the wait: the timeout is recomputed from the deadline.
+    """
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlinePassed(mid_frame=got > 0)
+            sock.settimeout(remaining)
+        else:
+            sock.settimeout(None)
+        try:
+            k = sock.recv_into(view[got:])
+        except (TimeoutError, BlockingIOError):
+            continue  # re-check the deadline (a signal may have woken us early)
+        except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError) as e:
+            raise ConnectionLost(str(e)) from None
+        if k == 0:
+            raise ConnectionLost("connection closed by the server")
+        got += k
+    return bytes(buf)
+
+
+def read_frame(
+    sock: socket.socket, deadline: float | None, where: str
+) -> tuple[int, list[bytes]]:
+    """Read one response frame (client side), checking its length before reading it."""
+    (n,) = FRAME_LEN.unpack(recv_exact(sock, FRAME_LEN.size, deadline))
+    if n > MAX_RESPONSE_BYTES:
+        raise DistStoreError(
+            f"store at {where} sent a frame of {n} bytes (cap {MAX_RESPONSE_BYTES}); "
+            "is this really a ringlet store?",
+            store=where,
+        )
+    try:
+        return decode_payload(recv_exact(sock, n, deadline))
+    except DeadlinePassed:
+        raise DeadlinePassed(mid_frame=True) from None
+    except ProtocolError as e:
+        raise DistStoreError(f"malformed reply from store at {where}: {e}", store=where) from None
+
+
+Reply = tuple[Status, list[bytes]]
+
+
+class Parked:
+    """A ``MULTI_GET``/``WAIT`` request waiting for its keys (one per connection at most)."""
+
+    __slots__ = ("done", "keys", "owner", "registered", "want_values")
+
+    def __init__(self, owner: object, keys: list[str], want_values: bool) -> None:
+        self.owner = owner  # the server's connection object; opaque here
+        self.keys = keys
+        self.want_values = want_values
+        self.registered: set[str] = set()  # keys whose waiter lists hold this request
+        self.done = False
+
+
+class KeyTable:
+    """The store server's state and op semantics, free of sockets (unit-testable).
+
+    ``handle`` answers a request at once or returns a ``Parked``; writes wake parked
+    requests, collected by ``pop_ready`` as (owner, reply) pairs. Blocking is thus
+    event-driven: nothing polls.
+    """
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self._waiters: dict[str, list[Parked]] = {}
+        self._woken: list[Parked] = []
+
+    def handle(self, owner: object, op: int, args: list[bytes]) -> Reply | Parked:
+        """Apply one request. Raises ``ProtocolError`` for a malformed one."""
+        if op in (Op.MULTI_GET, Op.WAIT):
+            if not args:
+                raise ProtocolError(f"{Op(op).name} without keys")
+            parked = Parked(owner, [self._key(a) for a in args], op == Op.MULTI_GET)
+            return self._serve_or_park(parked) or parked
+        try:
+            return self._apply(op, args)
+        except ValueError as e:  # add() on a non-integer value
+            return Status.VALUE_ERROR, [str(e).encode()]
+        except _Refused as e:
+            return Status.ERROR, [str(e).encode()]
+
+    def _apply(self, op: int, args: list[bytes]) -> Reply:
+        data = self.data
+        if op == Op.SET:
+            key, value = self._args(op, args, 2)
+            self._store(self._key(key), self._value(value))
+        elif op == Op.MULTI_SET:
+            if len(args) % 2:
+                raise ProtocolError("MULTI_SET with an odd number of arguments")
+            pairs = [(self._key(k), self._value(v)) for k, v in zip(args[::2], args[1::2])]
+            for key_s, value in pairs:
+                self._store(key_s, value)
+        elif op == Op.ADD:
+            key, amount = self._args(op, args, 2)
+            key_s, new = self._key(key), _parse_int(amount)
+            if key_s in data:
+                new += parse_counter(key_s, data[key_s])
+            self._store(key_s, str(new).encode("ascii"))
+            return Status.OK, [str(new).encode("ascii")]
+        elif op == Op.COMPARE_SET:
+            key, expected, desired = self._args(op, args, 3)
+            key_s = self._key(key)
+            current = data.get(key_s)
+            if (current is None and expected == b"") or current == expected:
+                self._store(key_s, self._value(desired))
+                return Status.OK, [desired]
+            return Status.OK, [expected if current is None else current]
+        elif op == Op.APPEND:
+            key, value = self._args(op, args, 2)
+            key_s = self._key(key)
+            self._store(key_s, self._value(data.get(key_s, b"") + value))
+        elif op == Op.CHECK:
+            return Status.OK, [b"1" if all(self._key(k) in data for k in args) else b"0"]
+        elif op == Op.DELETE:
+            (key,) = self._args(op, args, 1)
+            return Status.OK, [b"1" if data.pop(self._key(key), None) is not None else b"0"]
+        elif op == Op.NUM_KEYS:
+            return Status.OK, [str(len(data)).encode("ascii")]
+        elif op != Op.PING:
+            raise ProtocolError(f"unknown op code {op}")
+        return Status.OK, []
+
+    @staticmethod
+    def _args(op: int, args: list[bytes], n: int) -> list[bytes]:
+        if len(args) != n:
+            raise ProtocolError(f"{Op(op).name} expects {n} arguments, got {len(args)}")
+        return args
+
+    @staticmethod
+    def _key(raw: bytes) -> str:
+        if len(raw) > MAX_KEY_BYTES:
+            raise ProtocolError(f"key of {len(raw)} bytes exceeds the cap of {MAX_KEY_BYTES}")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError("key is not valid UTF-8") from None
+
+    @staticmethod
+    def _value(raw: bytes) -> bytes:
+        if len(raw) > MAX_VALUE_BYTES:
+            raise _Refused(f"value of {len(raw)} bytes exceeds the cap of {MAX_VALUE_BYTES}")
+        return raw
+
+    def _store(self, key: str, value: bytes) -> None:
+        if key not in self.data and len(self.data) >= MAX_KEYS:
+            raise _Refused(f"store is full ({MAX_KEYS} keys)")
+        self.data[key] = value
+        for parked in self._waiters.pop(key, ()):
+            parked.registered.discard(key)
+            if not parked.done:
+                self._woken.append(parked)
+
+    def _serve_or_park(self, parked: Parked) -> Reply | None:
+        missing = [k for k in parked.keys if k not in self.data]
+        if missing:
+            for key in missing:
+                if key not in parked.registered:
+                    parked.registered.add(key)
+                    self._waiters.setdefault(key, []).append(parked)
+            return None
+        parked.done = True
+        values = [self.data[k] for k in parked.keys] if parked.want_values else []
+        return Status.OK, values
+
+    def pop_ready(self) -> list[tuple[object, Reply]]:
+        """Replies to parked requests that the writes since the last call completed."""
+        woken, self._woken = self._woken, []
+        ready = []
+        for parked in woken:
+            if not parked.done:
+                reply = self._serve_or_park(parked)  # None: a key was deleted meanwhile
+                if reply is not None:
+                    ready.append((parked.owner, reply))
+        return ready
+
+    def cancel(self, parked: Parked) -> None:
+        """Forget a parked request (client gave up, or its connection closed)."""
+        parked.done = True
+        for key in parked.registered:
+            waiters = self._waiters.get(key, [])
+            if parked in waiters:
+                waiters.remove(parked)
+            if not waiters:
+                self._waiters.pop(key, None)
+        parked.registered.clear()
+
+
+class _Refused(Exception):
+    """A well-formed request the server declines (cap reached); the client gets ERROR."""
+
+
+def _parse_int(raw: bytes) -> int:
+    try:
+        return int(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        raise ProtocolError(f"ADD amount {raw[:32]!r} is not an ASCII integer") from None
+
