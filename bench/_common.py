@@ -1,0 +1,169 @@
+"""Helpers shared by ringlet's benchmarks: sizes, rank worlds, statistics, tables, provenance.
+
+Ranks are started by ``ringlet.testing.procs.run_world`` (a forkserver that preloads torch,
+children that die with the parent, bounded joins, SIGKILL on a hang, a TCPStore hosted by
+the parent on port 0), so a benchmark inherits the test harness's robustness.  A benchmark
+script imports this module as ``_common`` (its own folder is first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+_UNITS = {"": 1, "B": 1, "K": KIB, "KB": KIB, "KIB": KIB, "M": MIB, "MB": MIB, "MIB": MIB,
+          "G": GIB, "GB": GIB, "GIB": GIB}
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def parse_size(text: str) -> int:
+    """``"8"``, ``"4K"``, ``"1MiB"``, ``"256M"`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"expected a size such as 8, 4K, 1M, 256MiB; got {text!r}")
+    return int(m.group(1)) * _UNITS[unit]
+
+
+def format_size(nbytes: int) -> str:
+    """Bytes as the largest binary unit that divides them: ``8 B``, ``4 KiB``, ``256 MiB``."""
+    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def size_sweep(lo: int, hi: int, factor: int = 4) -> list[int]:
+    """``lo, lo*factor, ...`` up to ``hi``; ``hi`` itself is always the last size."""
+    if lo <= 0 or lo & (lo - 1):
+        raise ValueError(f"expected a power of two for the smallest size, got {lo}")
+    if hi < lo:
+        raise ValueError(f"expected the largest size >= the smallest ({lo}), got {hi}")
+    if factor < 2:
+        raise ValueError(f"expected a size step factor >= 2, got {factor}")
+    sizes = [lo]
+    while sizes[-1] * factor <= hi:
+        sizes.append(sizes[-1] * factor)
+    if sizes[-1] != hi:
+        sizes.append(hi)
+    return sizes
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def median(xs: Sequence[float]) -> float:
+    if not xs:
+        raise ValueError("expected at least one sample, got none")
+    return statistics.median(xs)
+
+
+def iters_for(seconds_per_call: float, target_s: float, lo: int = 3, hi: int = 1_000_000) -> int:
+    """How many back-to-back calls fill ``target_s`` seconds (at least ``lo``)."""
+    if seconds_per_call <= 0:
+        return hi
+    return max(lo, min(hi, int(target_s / seconds_per_call + 0.5)))
+
+
+# ---------------------------------------------------------------- rank worlds
+
+
+def run_ranks(n: int, fn: Callable[..., Any], *args: Any, backend: str, timeout: float,
+              op_timeout: float, env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, n, *args)`` in ``n`` processes already joined in a ringlet default group.
+
+    Returns each rank's return value; raises ``RuntimeError`` naming the first rank that
+    failed.  Warns on stderr if ringlet shared-memory segments were left in /dev/shm.
+    """
+    from ringlet.testing.procs import raise_first, run_world
+
+    before = _shm_segments()
+    results = run_world(n, fn, *args, backend=backend, timeout=timeout, op_timeout=op_timeout,
+                        env=env)
+    leftovers = _shm_segments() - before
+    if leftovers:
+        print(f"warning: /dev/shm segments left behind: {sorted(leftovers)}", file=sys.stderr)
+    try:
+        return raise_first(results)
+    except AssertionError as e:
+        raise RuntimeError(str(e)) from None
+
+
+def _shm_segments() -> set[str]:
+    from ringlet.transport.shm import SHM_DIR, SHM_PREFIX
+
+    try:
+        return {f for f in os.listdir(SHM_DIR) if f.startswith(SHM_PREFIX)}
+    except OSError:
+        return set()
+
+
+# ---------------------------------------------------------------- tables
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                 for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub-flavoured Markdown table, numbers right-aligned."""
+    head = "| " + " | ".join(headers) + " |"
+    align = "|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|"
+    body = ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join([head, align, *body])
+
+
+# ---------------------------------------------------------------- provenance
+
+
+def command_line() -> str:
+    """The command as typed, e.g. ``python bench/collectives.py --quick``."""
+    return shlex.join(["python", *sys.argv])
+
+
+def machine_info() -> dict[str, str]:
+    """Where a result was measured: date, CPUs, CPU model, Python and torch versions."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 0
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "nproc": f"{usable} usable of {os.cpu_count()}",
+        "cpu": _cpu_model(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "os": f"{platform.system()} {platform.release()} {platform.machine()}",
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
