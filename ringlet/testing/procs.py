@@ -136,17 +136,18 @@ def _collect(procs: list[Any], conns: list[Any], t0: float, timeout: float) -> l
     pending = set(range(len(procs)))
     while pending and time.time() < deadline:
         for r in list(pending):
+            died = False
             if conns[r].poll(0.01):
                 try:
                     status, value, exc, etype, msg, elapsed = conns[r].recv()
-                except EOFError:
-                    status = None
-                if status is not None:
+                except EOFError:   # the rank died without reporting
+                    died = True
+                else:
                     results[r] = RankResult(r, None, value, etype or None, msg, "", elapsed, exc)
                     pending.discard(r)
                     continue
-            if not procs[r].is_alive() and not conns[r].poll(0):
-                procs[r].join(0.1)
+            if died or not procs[r].is_alive():
+                procs[r].join(1.0)
                 results[r] = RankResult(r, procs[r].exitcode, None, "died",
                                         f"rank {r} exited with code {procs[r].exitcode} without reporting",
                                         "", time.time() - t0)
@@ -158,7 +159,10 @@ def _collect(procs: list[Any], conns: list[Any], t0: float, timeout: float) -> l
             pass
         results[r] = RankResult(r, None, None, "hung", f"rank {r} still running after {timeout} s",
                                 "", time.time() - t0)
-    time.sleep(0.2 if pending else 0)
+    if pending:
+        time.sleep(0.3)       # let the stack dumps reach stderr
+        for r in pending:
+            procs[r].kill()   # SIGKILL also ends a stopped (SIGSTOP) rank
     for r, p in enumerate(procs):
         p.join(5.0)
         res = results[r]

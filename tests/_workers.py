@@ -1,0 +1,73 @@
+"""Rank bodies used by process-tier tests (module level so that they pickle by reference)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+import ringlet.distributed as dist
+
+
+class Evil:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.path}",))
+
+
+def send_evil_object(rank: int, n: int, path: str) -> None:
+    objs: list[Any] = [Evil(path)] if rank == 0 else [None]
+    dist.broadcast_object_list(objs, src=0)
+
+
+def allreduce_loop(rank: int, n: int, steps: int) -> float:
+    t = torch.ones(1000)
+    for _ in range(steps):
+        dist.all_reduce(t)
+        t.fill_(1.0)
+    return time.time()
+
+
+def skip_on_rank(rank: int, n: int, skipper: int, linger: float) -> None:
+    dist.all_reduce(torch.ones(4))
+    if rank != skipper:
+        dist.all_reduce(torch.ones(4))
+    time.sleep(linger)
+
+
+def mismatch_op(rank: int, n: int) -> None:
+    dist.all_reduce(torch.ones(4))
+    if rank == 0:
+        dist.all_reduce(torch.ones(4))
+    else:
+        dist.broadcast(torch.ones(3), src=0)
+
+
+def mismatch_shape(rank: int, n: int) -> None:
+    dist.all_reduce(torch.ones(4 if rank == 0 else 3))
+
+
+def mismatch_dtype(rank: int, n: int) -> None:
+    dist.all_reduce(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64))
+
+
+def timed_until_error(rank: int, n: int, steps: int) -> tuple[str, str, float]:
+    """Loop all_reduce until an error; return (type, message, seconds from the error's op start)."""
+    t0 = time.monotonic()
+    try:
+        for _ in range(steps):
+            t0 = time.monotonic()
+            dist.all_reduce(torch.ones(1000))
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        elapsed = time.monotonic() - t0
+        try:
+            dist.all_reduce(torch.ones(1))
+            again = "usable"
+        except Exception as e2:  # noqa: BLE001
+            again = type(e2).__name__
+        return type(e).__name__, f"{e} || next call: {again}", elapsed
+    return "none", "", 0.0

@@ -1,0 +1,125 @@
+"""Faults across real processes (RELIABILITY.md C1, C3, C4, C5, C6, C10): every survivor raises,
+in bounded time, naming the rank; the group is poisoned afterwards; nothing hangs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import _workers
+from ringlet.testing.procs import run_world
+
+T = 2.0   # op timeout in these tests
+
+
+def _by_rank(results):
+    return {r.rank: r for r in results}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["sigkill", "sigterm", "abort", "exit0", "exit1"])
+def test_peer_death_reaches_every_survivor_within_a_second(mode: str) -> None:
+    env = {"RINGLET_FAULT": f"rank=1;at=collective:seq=5;do={mode}"}
+    res = _by_rank(run_world(3, _workers.timed_until_error, 50, op_timeout=10.0, env=env, timeout=40))
+    assert res[1].exitcode != 0 or mode == "exit0"
+    for r in (0, 2):
+        etype, msg, elapsed = res[r].value
+        # The first survivor to notice raises PeerFailureError and aborts the group; a later one may
+        # see the abort first: then its GroupAbortedError carries the same cause.
+        assert etype in ("PeerFailureError", "GroupAbortedError"), (r, etype, msg)
+        assert "rank 1" in msg and "pid" in msg and "all_reduce #5" in msg, msg
+        assert ("died" in msg) or ("left the group" in msg), msg
+        assert elapsed < 2.0, f"rank {r} took {elapsed:.2f} s to notice"
+        assert "next call: GroupAbortedError" in msg
+
+
+@pytest.mark.timeout(60)
+def test_rank_that_skips_a_collective_is_named_at_the_timeout() -> None:
+    res = _by_rank(run_world(2, _workers.skip_on_rank, 1, T + 2.0, op_timeout=T, timeout=30))
+    r0 = res[0]
+    assert r0.exc_type == "CollectiveTimeoutError", r0.message
+    assert "waiting for ranks [1]" in r0.message and "all_reduce #2" in r0.message
+    assert "rank 1 last entered #1 and completed #1" in r0.message
+    assert "[rank 0/2]" in r0.message
+
+
+@pytest.mark.timeout(60)
+def test_rank_that_left_is_named_at_once() -> None:
+    t0 = time.monotonic()
+    res = _by_rank(run_world(2, _workers.skip_on_rank, 1, 0.0, op_timeout=10.0, timeout=30))
+    assert time.monotonic() - t0 < 8.0
+    assert res[0].exc_type == "PeerFailureError", res[0].message
+    assert "rank 1" in res[0].message and "left the group" in res[0].message
+
+
+@pytest.mark.timeout(60)
+def test_timeout_is_two_sided() -> None:
+    env = {"RINGLET_FAULT": "rank=1;at=collective:seq=3;do=sleep:6"}
+    res = _by_rank(run_world(2, _workers.timed_until_error, 10, op_timeout=T, env=env, timeout=20))
+    etype, msg, elapsed = res[0].value
+    assert etype == "CollectiveTimeoutError", msg
+    assert 0.9 * T <= elapsed <= T + 3.0, elapsed
+
+
+@pytest.mark.timeout(60)
+def test_frozen_peer_fails_the_others_at_the_timeout() -> None:
+    env = {"RINGLET_FAULT": "rank=1;at=collective:seq=3;do=sigstop"}
+    t0 = time.monotonic()
+    res = _by_rank(run_world(2, _workers.timed_until_error, 10, op_timeout=T, env=env, timeout=T + 4))
+    etype, msg, elapsed = res[0].value
+    assert etype == "CollectiveTimeoutError" and "ranks [1]" in msg, msg
+    assert res[1].exc_type == "hung"   # still stopped: the harness killed it
+    assert 0.9 * T <= elapsed <= T + 3.0
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("body,needle", [
+    (_workers.mismatch_op, "broadcast #2"),
+    (_workers.mismatch_shape, "[3]"),
+    (_workers.mismatch_dtype, "float64"),
+])
+@pytest.mark.timeout(60)
+def test_mismatched_collectives_are_reported_on_every_rank(body, needle) -> None:
+    t0 = time.monotonic()
+    res = run_world(2, body, op_timeout=10.0, timeout=30)
+    assert time.monotonic() - t0 < 8.0     # found at the first exchange, not at the timeout
+    for r in res:
+        assert r.exc_type == "CollectiveMismatchError", r.message
+        assert "rank 0:" in r.message and "rank 1:" in r.message and needle in r.message, r.message
+
+
+@pytest.mark.timeout(60)
+def test_shm_without_room_is_a_clear_error_not_sigbus(tmp_path) -> None:
+    if os.geteuid() != 0 or subprocess.run(["which", "unshare"], capture_output=True).returncode:
+        pytest.skip("needs root and unshare to mount a small private /dev/shm")
+    script = tmp_path / "small_shm.py"
+    script.write_text(
+        "from ringlet.store import HashStore\n"
+        "from ringlet.transport.shm import ShmTransport\n"
+        "from ringlet.errors import DistBackendError\n"
+        "try:\n"
+        "    ShmTransport.create(HashStore(), 0, 4, 1.0, 'tiny')\n"
+        "except DistBackendError as e:\n"
+        "    print('ERR', e)\n")
+    cmd = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && {sys.executable} {script}"
+    out = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=60)
+    if "mount" in out.stderr and out.returncode:
+        pytest.skip(f"cannot mount tmpfs here: {out.stderr.strip()}")
+    assert "ERR" in out.stdout, out.stdout + out.stderr
+    assert "requested" in out.stdout and "bytes free" in out.stdout and "No space" in out.stdout
+
+
+def test_sigkill_leaves_no_shm_segment_behind() -> None:
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("ringlet-")}
+    env = {"RINGLET_FAULT": "rank=0;at=collective:seq=2;do=sigkill"}
+    run_world(2, _workers.timed_until_error, 5, op_timeout=5.0, env=env, timeout=30)
+    after = {n for n in os.listdir("/dev/shm") if n.startswith("ringlet-")}
+    assert after <= before
+
+
+_ = signal
