@@ -17,9 +17,9 @@ _SUPPORTED = frozenset(DTYPE_CODES)
 def tensor(t: Any, op: str, arg: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {arg}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
+    if t.layout is not torch.strided:
         raise ValueError(f"{op}: {arg}: expected a dense (strided) tensor, got layout {t.layout}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{op}: {arg}: expected a CPU tensor, got device {t.device} (ringlet's shm and "
                          "inproc transports serve CPU tensors)")
     if t.dtype not in _SUPPORTED:

@@ -52,13 +52,14 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     if pg is None:
         return None
     t = checks.tensor(tensor, "all_reduce", "tensor")
-    checks.writable(t, "all_reduce", "tensor")
     red, factor = resolve_op(op, "all_reduce")
-    check_op_dtype(red, t.dtype, "all_reduce")
-    ctx = pg.context("all_reduce", dtype=t.dtype, numel=t.numel(), redop=int(red))
+    if red != ReduceOp.SUM:
+        check_op_dtype(red, t.dtype, "all_reduce")
+    ctx = pg.context("all_reduce", t.dtype, t.numel(), -1, red)
     tr = pg.transport
     if t.is_contiguous():
-        return pg.run(lambda: tr.all_reduce(t, red, factor, ctx), ctx, [t], async_op)
+        return pg.run(lambda: tr.all_reduce(t, red, factor, ctx), ctx, [t], async_op, t.requires_grad)
+    checks.writable(t, "all_reduce", "tensor")
     st = Staged(t)
 
     def fn() -> None:
@@ -117,12 +118,12 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
     if pg is None:
         return None
     t = checks.tensor(tensor, "broadcast", "tensor")
-    checks.writable(t, "broadcast", "tensor")
     root = peer_rank(pg, src, group_src, "broadcast", "src")
-    ctx = pg.context("broadcast", dtype=t.dtype, numel=t.numel(), root=root)
+    ctx = pg.context("broadcast", t.dtype, t.numel(), root)
     tr = pg.transport
     if t.is_contiguous():
-        return pg.run(lambda: tr.broadcast(t, root, ctx), ctx, [t], async_op)
+        return pg.run(lambda: tr.broadcast(t, root, ctx), ctx, [t], async_op, t.requires_grad)
+    checks.writable(t, "broadcast", "tensor")
     st = Staged(t)
 
     def fn() -> None:
@@ -405,7 +406,7 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -
     if pg is None:
         return None
     ctx = pg.context("barrier")
-    return pg.run(lambda: pg.transport.barrier(ctx), ctx, [], async_op)
+    return pg.run(lambda: pg.transport.barrier(ctx), ctx, [], async_op, False)
 
 
 def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:

@@ -51,7 +51,6 @@ class ProcessGroup:
         self._p2p: dict[tuple[int, str], Executor] = {}
         self._p2p_lock = threading.Lock()
         self._fault = faults.parse_for(self._ranks[group_rank])
-        self.counters = {"collectives": 0, "bytes": 0}
         self.destroyed = False
 
     # -- torch's accessors ----------------------------------------------------------------
@@ -72,11 +71,19 @@ class ProcessGroup:
         return f"ProcessGroup(rank {self._rank}/{self._size}, ranks {self._ranks}, {self.backend})"
 
     # -- running operations -----------------------------------------------------------------
-    def context(self, op: str, **fields: Any) -> OpContext:
+    def context(self, op: str, dtype: torch.dtype | None = None, numel: int = 0, root: int = -1,
+                redop: int = -1) -> OpContext:
         """Allocate the next sequence number and the op's deadline."""
-        self.check_usable()
+        if self._error is not None or self.destroyed:
+            self.check_usable()
         self._seq += 1
-        return OpContext.make(op, self._seq, self._rank, self._size, self.group_desc, self.timeout, **fields)
+        return OpContext(op, self._seq, self._rank, self._size, self.group_desc, self.timeout,
+                         dtype, numel, root, redop)
+
+    @property
+    def seq(self) -> int:
+        """Sequence number of the last collective issued on this group."""
+        return self._seq
 
     def check_usable(self) -> None:
         if self.destroyed:
@@ -85,22 +92,26 @@ class ProcessGroup:
             raise GroupAbortedError(f"{self!r} is unusable after an earlier failure: {self._error}",
                                     group=self.group_desc) from self._error
 
-    def run(self, fn: Callable[[], None], ctx: OpContext, result: Any, async_op: bool) -> Work | None:
-        """Run ``fn`` (which talks to the transport) in issue order; see the module docstring."""
+    def run(self, fn: Callable[[], None], ctx: OpContext, result: Any, async_op: bool,
+            guard: bool = True) -> Work | None:
+        """Run ``fn`` (which talks to the transport) in issue order; see the module docstring.
+
+        ``guard=False`` says that no tensor involved requires grad, so the autograd guard
+        (~1 us on the latency path) can be skipped.
+        """
         if self._fault is not None:
             self._fault.maybe_fire(ctx)
-        self.counters["collectives"] += 1
         if not async_op and self._executor.pending == 0:
-            self._call(fn)
+            self._call(fn, guard)
             return None
         work = Work(result, op=f"{ctx.op} #{ctx.seq}", bound=self.timeout)
-        self._executor.submit(lambda: self._call(fn), work)
+        self._executor.submit(lambda: self._call(fn, False), work)   # the thread runs without grad
         if async_op:
             return work
         work.wait()
         return None
 
-    def run_p2p(self, fn: Callable[[], None], peer: int, direction: str, ctx: OpContext,
+    def run_p2p(self, fn: Callable[[Work], None], peer: int, direction: str, ctx: OpContext,
                 result: Any) -> Work:
         """Queue a send/recv on the (peer, direction) thread; returns its Work."""
         key = (peer, direction)
@@ -109,14 +120,23 @@ class ProcessGroup:
             if ex is None:
                 ex = self._p2p[key] = Executor(f"ringlet-{self.group_desc}-{direction}-{peer}")
         work = Work(result, op=f"{ctx.op} peer {peer}", bound=self.timeout)
-        ex.submit(lambda: self._call(fn, work), work)
+        ex.submit(lambda: self._call(lambda: fn(work), False), work)
         return work
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.check_usable()
+    def _call(self, fn: Callable[[], None], guard: bool) -> None:
+        if self._error is not None or self.destroyed:
+            self.check_usable()
+        # Transports write into user tensors in place; like torch's C++ collectives they must not
+        # be seen by autograd (a Parameter broadcast would otherwise raise).
+        if guard and torch.is_grad_enabled():
+            torch._C._set_grad_enabled(False)
+            try:
+                self._call(fn, False)
+            finally:
+                torch._C._set_grad_enabled(True)
+            return
         try:
-            with torch.no_grad():
-                fn(*args)
+            fn()
         except DistBackendError as e:
             self._poison(e)
             raise

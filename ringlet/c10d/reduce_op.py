@@ -77,6 +77,8 @@ def _make_nccl_premul_sum(factor: float | torch.Tensor) -> ReduceOp:
 
 def resolve_op(op: Any, opname: str) -> tuple[RedOpType, float | None]:
     """Normalise what a user may pass as ``op`` into (RedOpType, factor)."""
+    if type(op) is RedOpType and op != RedOpType.PREMUL_SUM:   # the common case, first
+        return op, None
     if isinstance(op, ReduceOp):
         if op.op == RedOpType.PREMUL_SUM and op.factor is None:
             raise ValueError(f"{opname}: PREMUL_SUM needs a factor; use _make_nccl_premul_sum(factor)")

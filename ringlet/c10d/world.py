@@ -48,9 +48,19 @@ class _World:
 _process_world: list[_World | None] = [None]
 _thread_world: contextvars.ContextVar[_World | None] = contextvars.ContextVar("ringlet_world", default=None)
 _thread_mode: contextvars.ContextVar[bool] = contextvars.ContextVar("ringlet_thread_mode", default=False)
-# Inits per (store, rank): every rank re-initializes on a store as often as the others, so the
-# count gives all ranks the same fresh key prefix (stale keys of an earlier init are never read).
+# Inits per (store server, rank): every rank re-initializes on a store as often as the others, so
+# the count gives all ranks the same fresh key prefix (stale keys of an earlier init are never read).
 _init_counts: dict[tuple[str, int], int] = {}
+
+
+def _next_init_count(store: Any, rank: int) -> int:
+    if hasattr(store, "port") and hasattr(store, "host"):   # one TCP server, many client objects
+        key = (f"tcp:{store.host}:{store.port}", rank)
+        _init_counts[key] = _init_counts.get(key, 0) + 1
+        return _init_counts[key]
+    counts = store.__dict__.setdefault("_ringlet_inits", {})
+    counts[rank] = counts.get(rank, 0) + 1
+    return counts[rank]
 
 
 def current_world(required: bool = True) -> _World | None:
@@ -176,8 +186,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         check_ranks(rank, world_size)
     from ringlet.store import PrefixStore
 
-    skey = (f"{store.host}:{store.port}" if hasattr(store, "port") else str(id(store)), rank)
-    _init_counts[skey] = count = _init_counts.get(skey, 0) + 1
+    count = _next_init_count(store, rank)
     root = PrefixStore(f"ringlet/{_env.run_prefix()}init{count}", store)
     hosts = rendezvous(root, rank, world_size, name, seconds)
     w = _World(rank, world_size, root, name, seconds, hosts, owns_store=owns)

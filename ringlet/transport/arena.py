@@ -135,7 +135,7 @@ class Arena:
         self.layout = layout
         self.rank = rank
         self.world_size = layout.world_size
-        self._memory = memory
+        self.memory = memory
         self._mv = memoryview(memory).cast("B")  # type: ignore[arg-type]
         self.q = self._mv.cast("q")
         self.u8 = torch.frombuffer(memory, dtype=torch.uint8)  # type: ignore[arg-type]
@@ -254,6 +254,7 @@ class Arena:
     def release(self) -> None:
         """Drop the views so that the backing memory can be unmapped."""
         self._typed.clear()
+        self.memory = None
         self.q.release()
         self._mv.release()
         del self.u8

@@ -10,7 +10,6 @@ tensors; outputs are written in place.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import time
 from typing import Any
 
@@ -43,31 +42,38 @@ DTYPE_CODES: dict[torch.dtype, int] = {d: i + 1 for i, d in enumerate(_DTYPES)}
 CODE_DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}
 
 
-@dataclasses.dataclass(slots=True)
 class OpContext:
-    """Everything a transport needs to run, check and explain one operation."""
+    """Everything a transport needs to run, check and explain one operation.
 
-    op: str                      # public name, e.g. "all_reduce"
-    seq: int                     # per-group sequence number of this collective
-    rank: int                    # this rank's rank in the group
-    world_size: int
-    group: str                   # readable group name for messages
-    timeout: float               # seconds
-    deadline: float              # time.monotonic() value
-    dtype: torch.dtype | None = None
-    numel: int = 0               # elements of this rank's (input) tensor
-    root: int = -1               # group rank of the root / peer, -1 if none
-    redop: int = -1              # RedOpType value, -1 if none
-    shape: tuple[int, ...] | None = None   # full shape (debug DETAIL)
-    callsite: str | None = None  # user's file:line (debug DETAIL)
-    started: float = 0.0
+    A plain ``__slots__`` class (not a dataclass): one is built per collective,
+    on the latency path.
+    """
+
+    __slots__ = ("op", "seq", "rank", "world_size", "group", "timeout", "deadline", "dtype", "numel",
+                 "root", "redop", "shape", "callsite", "started")
+
+    def __init__(self, op: str, seq: int, rank: int, world_size: int, group: str, timeout: float,
+                 dtype: torch.dtype | None = None, numel: int = 0, root: int = -1, redop: int = -1,
+                 shape: tuple[int, ...] | None = None, callsite: str | None = None) -> None:
+        self.op = op                    # public name, e.g. "all_reduce"
+        self.seq = seq                  # per-group sequence number of this collective
+        self.rank = rank                # this rank's rank in the group
+        self.world_size = world_size
+        self.group = group              # readable group name for messages
+        self.timeout = timeout          # seconds
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
+        self.dtype = dtype
+        self.numel = numel              # elements of this rank's (input) tensor
+        self.root = root                # group rank of the root / peer, -1 if none
+        self.redop = redop              # RedOpType value, -1 if none
+        self.shape = shape              # full shape (debug DETAIL)
+        self.callsite = callsite        # user's file:line (debug DETAIL)
 
     @classmethod
     def make(cls, op: str, seq: int, rank: int, world_size: int, group: str, timeout: float,
              **fields: Any) -> OpContext:
-        now = time.monotonic()
-        return cls(op=op, seq=seq, rank=rank, world_size=world_size, group=group,
-                   timeout=timeout, deadline=now + timeout, started=now, **fields)
+        return cls(op, seq, rank, world_size, group, timeout, **fields)
 
     # Fingerprint: 3 int64 words exchanged with the data (see ringlet/transport/arena.py).
     def fingerprint(self) -> tuple[int, int, int]:

@@ -130,6 +130,7 @@ class ShmTransport(ArenaTransport):
             except OSError:
                 pass
         self._fd_rank.clear()
+        self._fast.clear()
         self.arena.release()
         try:
             self._mm.close()
