@@ -51,6 +51,9 @@ class ProcessGroup:
         self._p2p: dict[tuple[int, str], Executor] = {}
         self._p2p_lock = threading.Lock()
         self._fault = faults.parse_for(self._ranks[group_rank])
+        # Per-op counters (collectives issued, elements moved); read with counts() / ringlet.distributed.stats().
+        self._counts: dict[str, int] = {}
+        self._elements: dict[str, int] = {}
         self.destroyed = False
 
     # -- torch's accessors ----------------------------------------------------------------
@@ -80,6 +83,18 @@ class ProcessGroup:
         return OpContext(op, self._seq, self._rank, self._size, self.group_desc, self.timeout,
                          dtype, numel, root, redop)
 
+    def counts(self) -> dict[str, int]:
+        """Collectives issued on this group so far, per op name (``{"all_reduce": 12, ...}``)."""
+        return dict(self._counts)
+
+    def elements(self) -> dict[str, int]:
+        """Elements of this rank's input moved per op name (all_gather: input elements)."""
+        return dict(self._elements)
+
+    def reset_counts(self) -> None:
+        self._counts.clear()
+        self._elements.clear()
+
     @property
     def seq(self) -> int:
         """Sequence number of the last collective issued on this group."""
@@ -101,6 +116,9 @@ class ProcessGroup:
         """
         if self._fault is not None:
             self._fault.maybe_fire(ctx)
+        op = ctx.op
+        self._counts[op] = self._counts.get(op, 0) + 1
+        self._elements[op] = self._elements.get(op, 0) + ctx.numel
         if not async_op and self._executor.pending == 0:
             self._call(fn, guard)
             return None

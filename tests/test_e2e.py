@@ -1,0 +1,104 @@
+"""End to end: the README's main job, and a torch.distributed script moved over by text substitution."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TORCH_SCRIPT = textwrap.dedent('''
+    import json, sys
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    t = torch.arange(6, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(t)
+    out["all_reduce"] = t.tolist()
+    m = torch.tensor([rank * 10 + 1, 5 - rank], dtype=torch.int64)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    out["max"] = m.tolist()
+    b = torch.full((2, 3), float(rank))
+    dist.broadcast(b, src=world - 1)
+    out["broadcast"] = b.tolist()
+    g = [torch.empty(2) for _ in range(world)]
+    dist.all_gather(g, torch.tensor([rank, -rank], dtype=torch.float32))
+    out["all_gather"] = [x.tolist() for x in g]
+    rs = torch.empty(2)
+    dist.reduce_scatter_tensor(rs, torch.arange(2.0 * world) + rank)
+    out["reduce_scatter"] = rs.tolist()
+    a2a = torch.empty(world, dtype=torch.int64)
+    dist.all_to_all_single(a2a, torch.arange(world) + 100 * rank)
+    out["all_to_all_single"] = a2a.tolist()
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank})
+    out["objects"] = objs
+    if rank == 0:
+        dist.send(torch.tensor([42.0]), dst=1)
+    elif rank == 1:
+        r = torch.empty(1)
+        dist.recv(r, src=0)
+        out["recv"] = r.tolist()
+    dist.barrier()
+    with open(sys.argv[1] + f".{rank}", "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+''')
+
+
+def _run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+@pytest.mark.timeout(180)
+def test_main_job_matches_single_process() -> None:
+    out = _run([sys.executable, "-m", "ringlet.launcher.run", "--nproc-per-node", "2",
+                "examples/train_dp.py", "--steps", "12"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[rank0]: step   0" in out.stdout
+    assert "matches the 1-process run" in out.stdout
+
+
+@pytest.mark.timeout(240)
+def test_torch_script_moved_by_text_substitution_gives_torchs_results(tmp_path) -> None:
+    torch_script = tmp_path / "torch_version.py"
+    torch_script.write_text(TORCH_SCRIPT)
+    ringlet_script = tmp_path / "ringlet_version.py"
+    ringlet_script.write_text(TORCH_SCRIPT.replace("torch.distributed", "ringlet.distributed"))
+    ref = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", "0", str(torch_script), str(tmp_path / "torch")])
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    got = _run([sys.executable, "-m", "ringlet.launcher.run", "--nproc-per-node", "2",
+                str(ringlet_script), str(tmp_path / "ringlet")])
+    assert got.returncode == 0, got.stdout + got.stderr
+    for rank in range(2):
+        want = json.loads((tmp_path / f"torch.{rank}").read_text())
+        have = json.loads((tmp_path / f"ringlet.{rank}").read_text())
+        assert have == want, (rank, have, want)
+
+
+@pytest.mark.timeout(120)
+def test_launcher_reports_the_failing_rank_of_a_collective_job(tmp_path) -> None:
+    script = tmp_path / "dies.py"
+    script.write_text(textwrap.dedent('''
+        import os, torch
+        import ringlet.distributed as dist
+        dist.init_process_group(timeout=__import__("datetime").timedelta(seconds=5))
+        for step in range(20):
+            if dist.get_rank() == 1 and step == 3:
+                raise RuntimeError("boom at step 3")
+            dist.all_reduce(torch.ones(4))
+    '''))
+    out = _run([sys.executable, "-m", "ringlet.launcher.run", "--nproc-per-node", "2", str(script)])
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "boom at step 3" in text and "rank 1" in text

@@ -1,0 +1,91 @@
+"""Imports flow one way (DESIGN.md "Layers"), and nothing under ringlet/ imports torch.distributed."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "ringlet"
+
+# Lower number = lower layer; a module may import only its own layer or lower ones.
+LAYERS = {
+    "ringlet.errors": 0, "ringlet._env": 0,
+    "ringlet.store": 1,
+    "ringlet.transport": 2,
+    "ringlet.c10d": 3,
+    "ringlet.launcher": 2,          # the launcher needs only the stores (and env/errors)
+    "ringlet.testing": 4,
+    "ringlet.mesh": 5,              # DeviceMesh
+    "ringlet.dtensor": 6,           # DTensor, placements, redistribution
+    "ringlet.parallel": 7,          # DDP, Join, comm hooks, FSDP, TP, ZeRO, SyncBatchNorm, sampler
+    "ringlet.checkpoint": 8,
+    "ringlet.distributed": 9, "ringlet.nn": 9, "ringlet.utils": 9,
+}
+FORBIDDEN = ("torch.distributed", "torch.nn.parallel")
+
+
+def _layer(module: str) -> tuple[str, int] | None:
+    best = None
+    for prefix, level in LAYERS.items():
+        if module == prefix or module.startswith(prefix + "."):
+            if best is None or len(prefix) > len(best[0]):
+                best = (prefix, level)
+    return best
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return found
+
+
+def _modules() -> list[tuple[str, pathlib.Path]]:
+    out = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out.append((".".join(parts), path))
+    return out
+
+
+def test_nothing_imports_torch_distributed_except_the_engine_adapter() -> None:
+    bad = []
+    for module, path in _modules():
+        if "torch_engine" in module:
+            continue
+        for line, name in _imports(path):
+            if name == "torch" and False:
+                continue
+            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN):
+                bad.append(f"{path}:{line} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_imports_flow_downwards() -> None:
+    bad = []
+    for module, path in _modules():
+        mine = _layer(module)
+        if mine is None:
+            continue
+        for line, name in _imports(path):
+            if not name.startswith("ringlet"):
+                continue
+            theirs = _layer(name)
+            if theirs is None or theirs[0] == mine[0]:
+                continue
+            if theirs[1] > mine[1] or (theirs[1] == mine[1] and theirs[0] != mine[0]):
+                bad.append(f"{path}:{line}: {module} (layer {mine[1]}) imports {name} (layer {theirs[1]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_module_is_assigned_a_layer() -> None:
+    missing = [m for m, _ in _modules() if m != "ringlet" and _layer(m) is None]
+    assert not missing, f"add these to LAYERS: {missing}"
