@@ -22,8 +22,8 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 import ringlet.distributed as dist
 

@@ -9,6 +9,10 @@
 | ``RINGLET_SHM_SLOT_BYTES`` | bytes of one shared-memory slot (chunk size) per rank | 1 MiB |
 | ``RINGLET_SAFE_OBJECTS`` | ``1``: object collectives unpickle only builtins, containers, tensors, numpy arrays | 0 |
 | ``RINGLET_AGENT_STORE`` | ``1``: the launcher hosts the store; every rank connects as a client | 0 |
+| ``RINGLET_CHECKS`` | ``0``: skip the per-collective fingerprint comparison (for measuring its cost only) | 1 |
+| ``RINGLET_STRAGGLER_REPORT`` | seconds between per-rank straggler lines logged by the watchdog (0: off) | 0 |
+| ``RINGLET_IFNAME`` | network interface the tcp transport listens on (default: the one that reaches the store) | unset |
+| ``RINGLET_TCP_CHUNK_BYTES`` | pipelining chunk of the tcp transport's large-message algorithms | 1 MiB |
 | ``RINGLET_FAULT`` | test-only fault injection, e.g. ``rank=1;at=collective:seq=5;do=sigkill`` | unset |
 """
 
@@ -19,6 +23,7 @@ from datetime import timedelta
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_SLOT_BYTES = 1 << 20
+DEFAULT_TCP_CHUNK_BYTES = 1 << 20
 
 
 def timeout_seconds() -> float:
@@ -95,3 +100,36 @@ def run_prefix() -> str:
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     gen = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
     return f"{run}/{gen}/" if run or gen else ""
+
+
+def fingerprint_checks() -> bool:
+    """Whether transports compare every peer's collective fingerprint (default: yes)."""
+    return os.environ.get("RINGLET_CHECKS", "1") not in ("0", "false", "False", "off")
+
+
+def straggler_report_period() -> float:
+    raw = os.environ.get("RINGLET_STRAGGLER_REPORT", "0")
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        raise ValueError(f"RINGLET_STRAGGLER_REPORT: expected seconds, got {raw!r}") from None
+
+
+def ifname() -> str | None:
+    """``RINGLET_IFNAME``: the interface whose IPv4 address the tcp transport binds (None: automatic)."""
+    raw = os.environ.get("RINGLET_IFNAME", "").strip()
+    return raw or None
+
+
+def tcp_chunk_bytes() -> int:
+    """``RINGLET_TCP_CHUNK_BYTES``: bytes per pipelined frame of the tcp transport (default 1 MiB)."""
+    raw = os.environ.get("RINGLET_TCP_CHUNK_BYTES")
+    if not raw:
+        return DEFAULT_TCP_CHUNK_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"RINGLET_TCP_CHUNK_BYTES: expected an integer, got {raw!r}") from None
+    if value < 4096:
+        raise ValueError(f"RINGLET_TCP_CHUNK_BYTES: expected at least 4096, got {value}")
+    return value

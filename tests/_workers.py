@@ -62,12 +62,32 @@ def timed_until_error(rank: int, n: int, steps: int) -> tuple[str, str, float]:
         for _ in range(steps):
             t0 = time.monotonic()
             dist.all_reduce(torch.ones(1000))
-    except Exception as e:  # noqa: BLE001 - the test inspects it
+    except Exception as e:
         elapsed = time.monotonic() - t0
         try:
             dist.all_reduce(torch.ones(1))
             again = "usable"
-        except Exception as e2:  # noqa: BLE001
+        except Exception as e2:
             again = type(e2).__name__
         return type(e).__name__, f"{e} || next call: {again}", elapsed
     return "none", "", 0.0
+
+
+def evaluate(seconds: float) -> None:
+    time.sleep(seconds)           # the line a hang report must point at
+
+
+def skip_into_evaluate(rank: int, n: int, seconds: float) -> None:
+    dist.all_reduce(torch.ones(4))
+    if rank == 1:
+        evaluate(seconds)
+    else:
+        dist.all_reduce(torch.ones(4))
+
+
+def detail_mismatch(rank: int, n: int) -> None:
+    dist.all_reduce(torch.ones(4))
+    if rank == 0:
+        dist.all_reduce(torch.ones(2, 3))
+    else:
+        dist.all_reduce(torch.ones(3, 2))

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from leaks import snapshot, wait_clean  # noqa: E402
+from leaks import snapshot, wait_clean
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ def _forkserver_pid() -> int | None:
         from multiprocessing import forkserver
 
         return forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 
@@ -42,7 +42,7 @@ def _tracker_pid() -> int | None:
         from multiprocessing import resource_tracker
 
         return resource_tracker._resource_tracker._pid  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
+import _cases
+import _workers
 import pytest
 import torch
 
-import _cases
-import _workers
 import ringlet.distributed as dist
 from ringlet.testing import RankFailure, run_threads
 from ringlet.testing.procs import raise_first, run_world
@@ -144,7 +144,7 @@ def test_unpicklable_object_is_reported_to_peers() -> None:
         obj = (lambda: 1) if rank == 1 else "fine"
         try:
             dist.all_gather_object([None] * n, obj)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             return f"{type(e).__name__}: {e}"
         return "no error"
     msgs = run_threads(body, 2)

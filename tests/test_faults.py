@@ -9,9 +9,9 @@ import subprocess
 import sys
 import time
 
+import _workers
 import pytest
 
-import _workers
 from ringlet.testing.procs import run_world
 
 T = 2.0   # op timeout in these tests
@@ -123,3 +123,22 @@ def test_sigkill_leaves_no_shm_segment_behind() -> None:
 
 
 _ = signal
+
+
+@pytest.mark.timeout(60)
+def test_hang_report_names_the_missing_rank_and_its_line() -> None:
+    res = _by_rank(run_world(2, _workers.skip_into_evaluate, T + 4.0, op_timeout=T, timeout=30))
+    msg = res[0].message
+    assert res[0].exc_type == "CollectiveTimeoutError", msg
+    assert "hang report for group default_pg" in msg
+    assert "ranks [0] wait in all_reduce #2" in msg
+    assert "rank 1 completed #1 and is at" in msg and "in evaluate()" in msg and "_workers.py:" in msg, msg
+
+
+@pytest.mark.timeout(60)
+def test_detail_mode_reports_both_call_sites_of_a_shape_mismatch() -> None:
+    res = run_world(2, _workers.detail_mismatch, op_timeout=10.0, timeout=30, env={"RINGLET_DEBUG": "DETAIL"})
+    for r in res:
+        assert r.exc_type == "CollectiveMismatchError", r.message
+        assert "rank 0: all_reduce #2 float32[2x3]" in r.message and "rank 1: all_reduce #2 float32[3x2]" in r.message
+        assert r.message.count("_workers.py:") >= 2, r.message

@@ -9,7 +9,7 @@ import pytest
 
 import ringlet.distributed as dist
 from ringlet.c10d import world as _world
-from ringlet.store import HashStore
+from ringlet.store import HashStore, PrefixStore
 
 
 def _join_all(specs: list[tuple[int, int]], timeout: float = 2.0) -> list[str]:
@@ -20,10 +20,11 @@ def _join_all(specs: list[tuple[int, int]], timeout: float = 2.0) -> list[str]:
     def body(i: int, rank: int, ws: int) -> None:
         _world._thread_mode.set(True)
         try:
-            dist.init_process_group("inproc", store=store, rank=rank, world_size=ws,
+            # One store object per "process", sharing the data (like TCPStore clients of one server).
+            dist.init_process_group("inproc", store=PrefixStore("job", store), rank=rank, world_size=ws,
                                     timeout=timedelta(seconds=timeout))
             out[i] = "ok"
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             out[i] = f"{type(e).__name__}: {e}"
         finally:
             if dist.is_initialized():
@@ -70,25 +71,20 @@ def test_env_init_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_single_rank_world_over_tcp_init_method() -> None:
-    from ringlet.store import TCPStore
+    import torch
 
-    server = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    # rank 0 hosts the store (port 0: a one-rank world needs no one to find it)
+    dist.init_process_group(init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     try:
-        dist.init_process_group(init_method=f"tcp://127.0.0.1:{server.port}", rank=0, world_size=1)
-        try:
-            import torch
-
-            t = torch.ones(3)
-            dist.all_reduce(t)
-            assert t.tolist() == [1.0, 1.0, 1.0]
-            assert dist.get_backend() == "shm" and dist.get_world_size() == 1
-            with pytest.raises(ValueError, match="twice"):
-                dist.init_process_group(init_method="env://")
-        finally:
-            dist.destroy_process_group()
-        assert not dist.is_initialized()
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0, 1.0]
+        assert dist.get_backend() == "shm" and dist.get_world_size() == 1
+        with pytest.raises(ValueError, match="twice"):
+            dist.init_process_group(init_method="env://")
     finally:
-        server.close()
+        dist.destroy_process_group()
+    assert not dist.is_initialized()
 
 
 def test_file_init_method(tmp_path) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from ringlet.transport.base import DTYPE_CODES
 
-__all__ = ["tensor", "tensor_list", "root", "same_dtype", "writable", "Staged"]
+__all__ = ["Staged", "root", "same_dtype", "tensor", "tensor_list", "writable"]
 
 _SUPPORTED = frozenset(DTYPE_CODES)
 
@@ -60,7 +60,7 @@ def writable(t: torch.Tensor, op: str, arg: str) -> None:
 class Staged:
     """A contiguous stand-in for a user tensor; ``finish()`` copies results back into a strided view."""
 
-    __slots__ = ("user", "buf")
+    __slots__ = ("buf", "user")
 
     def __init__(self, user: torch.Tensor) -> None:
         self.user = user

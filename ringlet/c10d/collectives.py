@@ -24,9 +24,22 @@ from ringlet.c10d.world import resolve_group
 from ringlet.transport.reduce import check_op_dtype
 
 __all__ = [
-    "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
-    "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-    "gather", "scatter", "barrier", "monitored_barrier", "peer_rank",
+    "all_gather",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "gather",
+    "monitored_barrier",
+    "peer_rank",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
 ]
 
 
@@ -227,7 +240,7 @@ def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_te
     return pg.run(fn, ctx, output_tensor_lists, async_op)
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,  # noqa: A002
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
                           group: Any = None, async_op: bool = False) -> Work | None:
     """Reduce ``input`` (``size`` blocks) across ranks; block ``r`` lands in rank ``r``'s ``output``."""
     pg = resolve_group(group)
@@ -270,7 +283,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any
     return reduce_scatter_tensor(out, torch.cat([t.reshape(-1) for t in ins]), op, group, async_op)
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None,
                       group: Any = None, async_op: bool = False) -> Work | None:
     """Split ``input`` along dim 0 (evenly, or by ``input_split_sizes``) and exchange the pieces."""
@@ -417,11 +430,11 @@ def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bo
     """
     pg = resolve_group(group)
     if pg is None:
-        return None
+        return
     ctx = pg.context("monitored_barrier")
     if timeout is not None:
         seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
         ctx.timeout = seconds
         ctx.deadline = ctx.started + seconds
     pg.run(lambda: pg.transport.barrier(ctx), ctx, [], False)
-    return None
+    return

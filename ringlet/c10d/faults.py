@@ -18,7 +18,7 @@ import time
 from ringlet import _env
 from ringlet.transport.base import OpContext
 
-__all__ = ["Fault", "parse_for", "parse"]
+__all__ = ["Fault", "parse", "parse_for"]
 
 _ACTIONS = ("sigkill", "sigterm", "sigstop", "abort", "exit0", "exit1", "sleep", "raise")
 

@@ -14,6 +14,7 @@ raises :class:`GroupAbortedError` citing the first error.
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 
 from ringlet.c10d import faults
 from ringlet.c10d.work import Executor, Work
-from ringlet.errors import DistBackendError, GroupAbortedError
+from ringlet.errors import CollectiveTimeoutError, DistBackendError, GroupAbortedError
 from ringlet.transport.base import OpContext, Transport
 
 __all__ = ["ProcessGroup"]
@@ -54,6 +55,11 @@ class ProcessGroup:
         # Per-op counters (collectives issued, elements moved); read with counts() / ringlet.distributed.stats().
         self._counts: dict[str, int] = {}
         self._elements: dict[str, int] = {}
+        self._history: collections.deque[OpContext] = collections.deque(maxlen=16)
+        self._done = 0               # sequence number of the last collective that completed here
+        # Set by the world (ringlet.c10d.world): merged hang report on timeout, DETAIL checks.
+        self.hang_reporter: Callable[[ProcessGroup, BaseException], str] | None = None
+        self.detail_check: Callable[[ProcessGroup, OpContext, Any], None] | None = None
         self.destroyed = False
 
     # -- torch's accessors ----------------------------------------------------------------
@@ -91,6 +97,16 @@ class ProcessGroup:
         """Elements of this rank's input moved per op name (all_gather: input elements)."""
         return dict(self._elements)
 
+    def debug_state(self) -> dict[str, Any]:
+        """What a hang report needs from this group: last issued/completed seq, recent calls."""
+        return {"desc": self.group_desc, "seq": self._seq, "done": self._done,
+                "history": [[c.seq, c.describe()] for c in list(self._history)]}
+
+    def wait_stats(self) -> tuple[float, dict[int, float]]:
+        """(seconds this rank spent waiting for peers, {group rank: seconds it was the one awaited})."""
+        fn = getattr(self.transport, "wait_stats", None)
+        return fn() if fn is not None else (0.0, {})
+
     def reset_counts(self) -> None:
         self._counts.clear()
         self._elements.clear()
@@ -119,15 +135,35 @@ class ProcessGroup:
         op = ctx.op
         self._counts[op] = self._counts.get(op, 0) + 1
         self._elements[op] = self._elements.get(op, 0) + ctx.numel
+        self._history.append(ctx)
+        if self.detail_check is not None:
+            fn = self._with_detail_check(fn, ctx, result)
         if not async_op and self._executor.pending == 0:
             self._call(fn, guard)
+            self._done = ctx.seq
             return None
         work = Work(result, op=f"{ctx.op} #{ctx.seq}", bound=self.timeout)
-        self._executor.submit(lambda: self._call(fn, False), work)   # the thread runs without grad
+        self._executor.submit(lambda: self._call_queued(fn, ctx), work)
         if async_op:
             return work
         work.wait()
         return None
+
+    def _call_queued(self, fn: Callable[[], None], ctx: OpContext) -> None:
+        self._call(fn, False)   # the communication thread runs without grad
+        self._done = ctx.seq
+
+    def _with_detail_check(self, fn: Callable[[], None], ctx: OpContext, result: Any) -> Callable[[], None]:
+        from ringlet.c10d.debug import callsite
+
+        ctx.callsite = callsite()
+        check = self.detail_check
+
+        def checked() -> None:
+            if check is not None:
+                check(self, ctx, result)
+            fn()
+        return checked
 
     def run_p2p(self, fn: Callable[[Work], None], peer: int, direction: str, ctx: OpContext,
                 result: Any) -> Work:
@@ -155,6 +191,14 @@ class ProcessGroup:
             return
         try:
             fn()
+        except CollectiveTimeoutError as e:
+            if self.hang_reporter is None or self._error is not None:
+                self._poison(e)
+                raise
+            report = self.hang_reporter(self, e)
+            full = CollectiveTimeoutError(f"{e}\n{report}", **{**e.context, "report": report})
+            self._poison(full)
+            raise full from None
         except DistBackendError as e:
             self._poison(e)
             raise
@@ -164,7 +208,7 @@ class ProcessGroup:
             self._error = err
             try:
                 self.transport.abort(f"{type(err).__name__}: {err}")
-            except Exception:  # noqa: BLE001 - best effort; the local error is what matters
+            except Exception:  # noqa: BLE001, S110 - best effort; the local error is what matters
                 pass
 
     def abort(self, reason: str = "aborted by the user") -> None:

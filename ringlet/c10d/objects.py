@@ -23,8 +23,13 @@ from ringlet.c10d import p2p
 from ringlet.c10d.world import resolve_group
 
 __all__ = [
-    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
-    "send_object_list", "recv_object_list", "MAX_OBJECT_BYTES",
+    "MAX_OBJECT_BYTES",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "recv_object_list",
+    "scatter_object_list",
+    "send_object_list",
 ]
 
 MAGIC = b"RLO1"

@@ -20,7 +20,7 @@ from ringlet.c10d.work import Work, _Completed
 from ringlet.c10d.world import resolve_group
 from ringlet.transport.base import OpContext
 
-__all__ = ["send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp"]
+__all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
 
 def _p2p_ctx(pg: Any, op: str, peer: int, t: torch.Tensor) -> OpContext:

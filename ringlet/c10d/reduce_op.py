@@ -8,7 +8,7 @@ import torch
 
 from ringlet.transport.reduce import RedOpType
 
-__all__ = ["ReduceOp", "reduce_op", "_make_nccl_premul_sum", "resolve_op"]
+__all__ = ["ReduceOp", "_make_nccl_premul_sum", "reduce_op", "resolve_op"]
 
 
 class ReduceOp:
@@ -57,7 +57,7 @@ class ReduceOp:
         return f"ReduceOp.{self.op.name}"
 
 
-class reduce_op:  # noqa: N801 - torch's deprecated spelling
+class reduce_op:
     """Deprecated alias kept for old scripts: use :class:`ReduceOp`."""
 
     SUM = RedOpType.SUM

@@ -21,7 +21,7 @@ from urllib.parse import parse_qs, urlparse
 from ringlet import _env
 from ringlet.errors import DistStoreError
 
-__all__ = ["host_key", "store_from_init_method", "check_ranks", "rendezvous"]
+__all__ = ["check_ranks", "host_key", "rendezvous", "store_from_init_method"]
 
 RINGLET_VERSION = "0.1.0"
 

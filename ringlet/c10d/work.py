@@ -13,7 +13,7 @@ import torch
 
 from ringlet.errors import DistBackendError
 
-__all__ = ["Work", "Executor"]
+__all__ = ["Executor", "Work"]
 
 
 def _seconds(timeout: float | timedelta | None) -> float | None:
@@ -147,7 +147,7 @@ class Executor:
                 fn, work = self._queue.popleft()
             try:
                 fn()
-            except BaseException as e:  # handed to the waiter, never lost
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter, never lost
                 work._complete(e)
             else:
                 work._complete()
@@ -165,5 +165,5 @@ class Executor:
             thread.join(timeout)
         deadline = time.monotonic() + 0.1
         while self._queue and time.monotonic() < deadline:
-            fn, work = self._queue.popleft()
+            _, work = self._queue.popleft()
             work._complete(DistBackendError(f"{self._name}: the group was destroyed before this op ran"))

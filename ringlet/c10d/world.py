@@ -13,19 +13,36 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import hashlib
+import logging
+import threading
 from datetime import timedelta
 from typing import Any
 
 from ringlet import _env
+from ringlet.c10d import debug
 from ringlet.c10d.group import ProcessGroup
-from ringlet.c10d.rendezvous import rendezvous, store_from_init_method, check_ranks
+from ringlet.c10d.rendezvous import check_ranks, rendezvous, store_from_init_method
 from ringlet.errors import DistBackendError
 
 __all__ = [
-    "init_process_group", "destroy_process_group", "is_initialized", "is_available", "get_rank",
-    "get_world_size", "get_backend", "get_default_backend_for_device", "new_group", "new_subgroups",
-    "new_subgroups_by_enumeration", "get_process_group_ranks", "get_global_rank", "get_group_rank",
-    "GroupMember", "group", "resolve_group", "current_world",
+    "GroupMember",
+    "current_world",
+    "destroy_process_group",
+    "get_backend",
+    "get_default_backend_for_device",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
+    "get_rank",
+    "get_world_size",
+    "group",
+    "init_process_group",
+    "is_available",
+    "is_initialized",
+    "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+    "resolve_group",
 ]
 
 _BACKENDS = ("auto", "shm", "inproc")
@@ -43,6 +60,7 @@ class _World:
     groups: list[ProcessGroup] = dataclasses.field(default_factory=list)
     group_counts: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
     owns_store: bool = False
+    watchdog: Any = None
 
 
 _process_world: list[_World | None] = [None]
@@ -99,7 +117,7 @@ class GroupMember:
     NON_GROUP_MEMBER: Any = _NonMember()
 
 
-class group:  # noqa: N801 - torch's spelling
+class group:
     WORLD: Any = GroupMember.WORLD
 
 
@@ -174,6 +192,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     """
     if current_world(required=False) is not None:
         raise ValueError("trying to initialize the default process group twice!")
+    debug.setup_logging(_env.debug_level())
     name = _parse_backend(backend)
     seconds = _timeout_seconds(timeout)
     td = timedelta(seconds=seconds)
@@ -191,8 +210,20 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     hosts = rendezvous(root, rank, world_size, name, seconds)
     w = _World(rank, world_size, root, name, seconds, hosts, owns_store=owns)
     w._raw_store = store  # type: ignore[attr-defined]
-    w.default_pg = _make_group(w, list(range(world_size)), "default_pg", name, seconds, "default_pg")
+    w.default_pg = _attach_debug(w, _make_group(w, list(range(world_size)), "default_pg", name, seconds,
+                                                "default_pg"))
+    w.watchdog = debug.Watchdog(root, rank, threading.get_ident(), w.groups)
     _set_world(w)
+    debug.log.info("rank %d/%d joined: backend %s (%s), timeout %.0f s, host %s", rank, world_size, name,
+                   w.default_pg.backend, seconds, hosts[rank])
+
+
+def _attach_debug(w: _World, pg: ProcessGroup) -> ProcessGroup:
+    """Give a new group the world's hang reporter and, with RINGLET_DEBUG=DETAIL, the cross-rank check."""
+    pg.hang_reporter = lambda g, err: debug.hang_report(w.store, g, err)
+    if _env.debug_level() == "DETAIL":
+        pg.detail_check = debug.detail_check
+    return pg
 
 
 def _make_group(w: _World, ranks: list[int], gid: str, backend: str, timeout: float,
@@ -230,7 +261,11 @@ def destroy_process_group(group: Any = None) -> None:
             if pg in w.groups:
                 w.groups.remove(pg)
         return
+    if w.watchdog is not None:
+        w.watchdog.stop()
     for pg in reversed(w.groups):
+        if debug.log.isEnabledFor(logging.INFO):
+            debug.log.info("rank %d: %s: %s", w.rank, pg, debug.group_stats(pg))
         pg.destroy()
     w.groups.clear()
     raw = getattr(w, "_raw_store", None)
@@ -298,7 +333,7 @@ def new_group(ranks: list[int] | None = None, timeout: timedelta | None = None, 
     name = _parse_backend(backend) if backend else w.backend
     seconds = _timeout_seconds(timeout) if timeout is not None else w.timeout
     desc = group_desc or f"group{members}"
-    return _make_group(w, members, gid, name, seconds, desc)
+    return _attach_debug(w, _make_group(w, members, gid, name, seconds, desc))
 
 
 def new_subgroups(group_size: int | None = None, group: Any = None, timeout: timedelta | None = None,

@@ -20,4 +20,4 @@ Example::
 
 from ringlet.testing.threads import RankFailure, run_threads
 
-__all__ = ["run_threads", "RankFailure"]
+__all__ = ["RankFailure", "run_threads"]

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["run_world", "RankResult", "raise_first", "forkserver_context"]
+__all__ = ["RankResult", "forkserver_context", "raise_first", "run_world"]
 
 _ctx: list[Any] = [None]
 
@@ -71,7 +71,7 @@ def _child(rank: int, n: int, port: int, backend: str, op_timeout: float, env: d
     import torch
 
     torch.set_num_threads(1)
-    import ringlet.distributed as dist
+    from ringlet import c10d as dist
     from ringlet.store import TCPStore
 
     store = None
@@ -139,7 +139,7 @@ def _collect(procs: list[Any], conns: list[Any], t0: float, timeout: float) -> l
             died = False
             if conns[r].poll(0.01):
                 try:
-                    status, value, exc, etype, msg, elapsed = conns[r].recv()
+                    _, value, exc, etype, msg, elapsed = conns[r].recv()
                 except EOFError:   # the rank died without reporting
                     died = True
                 else:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ringlet.c10d import world as _world
 
-__all__ = ["run_threads", "RankFailure"]
+__all__ = ["RankFailure", "run_threads"]
 
 
 class RankFailure(AssertionError):

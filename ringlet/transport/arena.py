@@ -146,6 +146,8 @@ class Arena:
         self.peers = [r for r in range(n) if r != rank]
         self.spin_iters = SPIN_ITERS if n <= (os.cpu_count() or 1) else 0
         self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self.wait_s = 0.0                   # time spent in the slow path of waits
+        self.late_s: dict[int, float] = {}  # of which, per rank that arrived last
 
     # -- header / control fields -------------------------------------------------
     def init_header(self, creator: int) -> None:
@@ -213,10 +215,17 @@ class Arena:
         if not pending:
             return
         backoff = _Backoff(self, ctx)
+        t0 = time.monotonic()
         while True:
-            pending = [k for k in pending if q[idx[k]] < value]
-            if not pending:
+            still = [k for k in pending if q[idx[k]] < value]
+            if not still:
+                # Blame the wait on the ranks that arrived last (ringlet.distributed.stats()).
+                waited = time.monotonic() - t0
+                self.wait_s += waited
+                for k in pending:
+                    self.late_s[ranks[k]] = self.late_s.get(ranks[k], 0.0) + waited
                 return
+            pending = still
             backoff.pause([ranks[k] for k in pending])
 
     def wait_any_gt(self, idx: Sequence[int], ranks: Sequence[int], values: Sequence[int],
@@ -263,7 +272,7 @@ class Arena:
 class _Backoff:
     """Spin briefly, then yield, then sleep with doubling delays; check abort, peers, deadline."""
 
-    __slots__ = ("arena", "ctx", "spins", "next_live", "delay")
+    __slots__ = ("arena", "ctx", "delay", "next_live", "spins")
 
     def __init__(self, arena: Arena, ctx: OpContext) -> None:
         self.arena = arena

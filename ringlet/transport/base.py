@@ -18,7 +18,7 @@ import torch
 from ringlet.errors import DistError
 from ringlet.transport.reduce import RedOpType
 
-__all__ = ["OpContext", "Transport", "OPCODES", "DTYPE_CODES", "CODE_DTYPES"]
+__all__ = ["CODE_DTYPES", "DTYPE_CODES", "OPCODES", "OpContext", "Transport"]
 
 # Operation codes carried in fingerprints (stable: they cross process boundaries).
 OPCODES: dict[str, int] = {
@@ -26,7 +26,7 @@ OPCODES: dict[str, int] = {
     for i, name in enumerate(
         [
             "barrier", "all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
-            "reduce_scatter", "all_to_all", "send", "recv", "monitored_barrier", "agree",
+            "reduce_scatter", "all_to_all", "send", "recv", "monitored_barrier", "agree", "debug_check",
         ],
         start=1,
     )
@@ -49,8 +49,22 @@ class OpContext:
     on the latency path.
     """
 
-    __slots__ = ("op", "seq", "rank", "world_size", "group", "timeout", "deadline", "dtype", "numel",
-                 "root", "redop", "shape", "callsite", "started")
+    __slots__ = (
+        "callsite",
+        "deadline",
+        "dtype",
+        "group",
+        "numel",
+        "op",
+        "rank",
+        "redop",
+        "root",
+        "seq",
+        "shape",
+        "started",
+        "timeout",
+        "world_size",
+    )
 
     def __init__(self, op: str, seq: int, rank: int, world_size: int, group: str, timeout: float,
                  dtype: torch.dtype | None = None, numel: int = 0, root: int = -1, redop: int = -1,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["RedOpType", "combine_", "finish_", "check_op_dtype", "prepare_contribution"]
+__all__ = ["RedOpType", "check_op_dtype", "combine_", "finish_", "prepare_contribution"]
 
 
 class RedOpType(enum.IntEnum):

@@ -24,7 +24,7 @@ from ringlet.errors import DistBackendError, DistStoreError
 from ringlet.transport.arena import C_PID, Arena, ArenaLayout, default_p2p_bytes
 from ringlet.transport.arena_algos import ArenaTransport
 
-__all__ = ["ShmTransport", "SHM_DIR", "SHM_PREFIX"]
+__all__ = ["SHM_DIR", "SHM_PREFIX", "ShmTransport"]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "ringlet-"

@@ -1,0 +1,201 @@
+"""The ``tcp`` transport's connection mesh: listen, publish, connect, authenticate.
+
+Every rank listens on port 0 of its address, publishes ``host:port`` (and pid,
+hostname) under ``tcp/addr/<rank>`` in the group's store, then connects to every
+lower rank and accepts every higher one -- two connections per pair, channel 0
+for collectives and channel 1 for point-to-point (so that a large ``isend``
+waiting for its reader never stalls a collective, and each stream has a single
+reader and a single writer).  See [Note: tcp handshake] in ``_tcp_wire``.  The
+listener is closed as soon as the mesh is complete: nothing stays open to
+strangers.  The order (connect down, then accept up) cannot deadlock: rank 0
+accepts at once, and every rank's connects only need lower ranks, which accept
+as soon as their own connects are done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+from ringlet.errors import DistNetworkError, DistStoreError
+from ringlet.store._protocol import ConnectionLost, DeadlinePassed
+from ringlet.transport._tcp_wire import accept_handshake, connect_handshake
+
+__all__ = ["Peer", "build_mesh"]
+
+log = logging.getLogger("ringlet")
+
+HANDSHAKE_S = 5.0     # an accepted connection must finish its handshake within this (anti-slowloris)
+CHANNELS = (0, 1)     # 0: collectives, 1: point-to-point
+
+
+@dataclasses.dataclass(eq=False)
+class Peer:
+    """One remote rank of the group and its two connections."""
+
+    rank: int                       # group rank
+    host: str                       # the address it published (and connects from)
+    port: int
+    pid: int
+    hostname: str
+    sock: socket.socket             # channel 0: collectives
+    psock: socket.socket            # channel 1: point-to-point
+    tx_broken: bool = False         # a frame was cut mid-way: the stream is out of step
+    gone: str | None = None         # "bye" (left the group) or "eof" (closed) once seen
+
+    def __post_init__(self) -> None:
+        self.fd = self.sock.fileno()
+        self.pfd = self.psock.fileno()
+
+    def where(self) -> str:
+        return f"pid {self.pid} at {self.host}:{self.port} on host {self.hostname}"
+
+    def close(self) -> None:
+        for s in (self.sock, self.psock):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+def _bind_listener(host: str, group: str) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        name = errno.errorcode.get(e.errno or 0, str(e.errno))
+        raise DistNetworkError(f"group {group}: tcp transport cannot listen on {host}: {name} ({e.strerror}); "
+                               "set RINGLET_IFNAME to the interface the hosts share", host=host) from None
+    return sock
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(False)
+
+
+def build_mesh(store: Any, rank: int, world_size: int, timeout: float, group: str, host: str,
+               token: bytes | None) -> dict[int, Peer]:
+    """Connect this rank to every other rank of the group (see the module docstring).
+
+    Raises:
+        DistNetworkError: a peer cannot be reached, refused us, or never connected;
+            names the rank and its address.
+        DistStoreError: a rank never published its address within ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    listener = _bind_listener(host, group)
+    socks: dict[tuple[int, int], socket.socket] = {}
+    try:
+        port = listener.getsockname()[1]
+        if rank == 0:
+            store.set("tcp/gid", secrets.token_hex(16))
+        me = {"host": host, "port": port, "pid": os.getpid(), "hostname": socket.gethostname()}
+        store.set(f"tcp/addr/{rank}", json.dumps(me))
+        keys = [f"tcp/addr/{r}" for r in range(world_size)] + ["tcp/gid"]
+        try:
+            store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
+        except DistStoreError:
+            missing = [r for r in range(world_size) if not store.check([f"tcp/addr/{r}"])]
+            raise DistStoreError(f"group {group}: ranks {missing} never published a tcp address within "
+                                 f"{timeout:.1f} s", group=group, missing=missing) from None
+        infos = [json.loads(store.get(f"tcp/addr/{r}")) for r in range(world_size)]
+        gid = store.get("tcp/gid")
+        for r in range(rank):
+            for ch in CHANNELS:
+                socks[(r, ch)] = _connect(infos[r], host, rank, r, ch, token, gid, deadline, group)
+        expected = {(r, ch): infos[r]["host"] for r in range(rank + 1, world_size) for ch in CHANNELS}
+        socks.update(_accept_all(listener, rank, token, gid, expected, deadline, group))
+    except BaseException:
+        for s in socks.values():
+            s.close()
+        raise
+    finally:
+        listener.close()
+    peers = {}
+    for r in range(world_size):
+        if r != rank:
+            info = infos[r]
+            for ch in CHANNELS:
+                _tune(socks[(r, ch)])
+            peers[r] = Peer(r, info["host"], info["port"], info["pid"], info["hostname"],
+                            socks[(r, 0)], socks[(r, 1)])
+    return peers
+
+
+def _connect(info: dict[str, Any], my_host: str, me: int, target: int, channel: int,
+             token: bytes | None, gid: bytes, deadline: float, group: str) -> socket.socket:
+    """Connect to ``target`` from our own address (so that its source check holds), with retries."""
+    where = f"{info['host']}:{info['port']}"
+    delay, last = 0.01, None
+    while True:
+        family = socket.AF_INET6 if ":" in info["host"] else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((my_host, 0))
+            sock.settimeout(max(deadline - time.monotonic(), 0.01))
+            sock.connect((info["host"], info["port"]))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connect_handshake(sock, me, target, channel, token, gid, deadline, where)
+            return sock
+        except DistNetworkError:
+            sock.close()
+            raise
+        except (OSError, ConnectionLost) as e:
+            sock.close()
+            last = e
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DistNetworkError(f"group {group}: rank {me} could not connect to rank {target} at {where} "
+                                   f"(pid {info['pid']} on host {info['hostname']}): {last!r}",
+                                   peer=target, address=where)
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, 0.5)
+
+
+def _accept_all(listener: socket.socket, me: int, token: bytes | None, gid: bytes,
+                expected: dict[tuple[int, int], str], deadline: float,
+                group: str) -> dict[tuple[int, int], socket.socket]:
+    """Accept until every expected (rank, channel) connected; strangers are dropped."""
+    got: dict[tuple[int, int], socket.socket] = {}
+    refused: list[str] = []
+    try:
+        while expected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted({r for r, _ in expected})
+                why = f"; refused: {'; '.join(refused[-3:])}" if refused else ""
+                host, port = listener.getsockname()[:2]
+                raise DistNetworkError(f"group {group}: ranks {missing} never connected to rank {me} at "
+                                       f"{host}:{port} within the timeout{why}", missing=missing)
+            listener.settimeout(remaining)
+            try:
+                sock, addr = listener.accept()
+            except TimeoutError:
+                continue
+            try:
+                key = accept_handshake(sock, me, token, gid, expected,
+                                       min(deadline, time.monotonic() + HANDSHAKE_S))
+            except (DistNetworkError, DeadlinePassed, ConnectionLost, OSError) as e:
+                log.warning("group %s: rank %d dropped a connection from %s: %s", group, me, addr[0], e)
+                refused.append(str(e))
+                sock.close()
+                continue
+            got[key] = sock
+            del expected[key]
+    except BaseException:
+        for s in got.values():
+            s.close()
+        raise
+    return got
