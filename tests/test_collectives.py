@@ -154,3 +154,41 @@ def test_unpicklable_object_is_reported_to_peers() -> None:
 
 def test_all_cases_on_processes_without_env_pollution() -> None:
     assert "RINGLET_SAFE_OBJECTS" not in os.environ
+
+
+def test_object_size_announced_by_a_peer_is_capped_before_allocating() -> None:
+    from ringlet.c10d import collectives as C
+
+    def body(rank: int, n: int) -> str:
+        if rank == 1:    # a hostile or corrupted peer announces 1 TiB
+            sizes = torch.zeros(n, dtype=torch.int64)
+            C.all_gather_into_tensor(sizes, torch.tensor([1 << 40]))
+            return ""
+        try:
+            dist.all_gather_object([None] * n, "small")
+        except ValueError as e:
+            return str(e)
+        return "accepted"
+    msg = run_threads(body, 2)[0]
+    assert "announced an object of 1099511627776 bytes" in msg and "refused before allocating" in msg
+
+
+def test_object_from_another_runtime_version_is_named() -> None:
+    from ringlet.c10d import collectives as C
+
+    def body(rank: int, n: int) -> str:
+        if rank == 1:
+            payload = b"XXXX" + b"\x80\x05N."
+            sizes = torch.zeros(n, dtype=torch.int64)
+            C.all_gather_into_tensor(sizes, torch.tensor([len(payload)]))
+            width = int(sizes.max())
+            buf = torch.zeros(width, dtype=torch.uint8)
+            buf[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            C.all_gather_into_tensor(torch.empty(n * width, dtype=torch.uint8), buf)
+            return ""
+        try:
+            dist.all_gather_object([None] * n, "x")
+        except ValueError as e:
+            return str(e)
+        return "accepted"
+    assert "different ringlet version" in run_threads(body, 2)[0]

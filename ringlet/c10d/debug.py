@@ -90,6 +90,11 @@ class Watchdog:
         self._thread.start()
 
     def _loop(self) -> None:
+        from ringlet import _env
+
+        period = _env.straggler_report_period()
+        next_report = time.monotonic() + period
+        last_wait: dict[str, float] = {}
         while not self._stop.wait(POLL_PERIOD):
             try:
                 req = int(self._store.add("hang/req", 0))
@@ -99,6 +104,20 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 if self._stop.is_set():
                     return
+            if period and time.monotonic() >= next_report:
+                next_report += period
+                for pg in list(self._groups):
+                    self._log_waiting(pg, period, last_wait)
+
+    def _log_waiting(self, pg: Any, period: float, last_wait: dict[str, float]) -> None:
+        """RINGLET_STRAGGLER_REPORT: one local line per group -- how much this rank waited, on whom."""
+        wait_s, late = pg.wait_stats()
+        share = (wait_s - last_wait.get(pg.group_name, 0.0)) / period
+        last_wait[pg.group_name] = wait_s
+        worst = max(late.items(), key=lambda kv: kv[1], default=None)
+        who = f"; mostly on rank {pg.ranks[worst[0]]} ({worst[1]:.2f} s in all)" if worst else ""
+        log.warning("rank %d, group %s: waiting for peers was %.0f%% of the last %.0f s%s",
+                    self._rank, pg.group_desc, 100 * share, period, who)
 
     def state(self, req: int) -> dict[str, Any]:
         frame = sys._current_frames().get(self._ident)
