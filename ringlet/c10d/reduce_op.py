@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ringlet.transport.reduce import RedOpType
+from ringlet.transport.reduce import RedOpType as _RedOpType
 
 __all__ = ["ReduceOp", "_make_nccl_premul_sum", "reduce_op", "resolve_op"]
 
@@ -37,8 +38,8 @@ class ReduceOp:
     PREMUL_SUM = RedOpType.PREMUL_SUM
     UNUSED = RedOpType.UNUSED
 
-    def __init__(self, op: RedOpType | int = RedOpType.SUM, factor: float | None = None) -> None:
-        self.op = RedOpType(op)
+    def __init__(self, op: _RedOpType | int = _RedOpType.SUM, factor: float | None = None) -> None:
+        self.op = _RedOpType(op)
         self.factor = factor
 
     def __eq__(self, other: object) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -105,7 +106,7 @@ class ArenaTransport(Transport):
             if len(self._fast) >= _FAST_CACHE_MAX:
                 self._fast.clear()
             npdt = np.dtype(_NP_DTYPES[dtype])
-            lay, mem = self.arena.layout, self.arena.memory
+            lay, mem = self.arena.layout, cast(Any, self.arena.memory)
             b0 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 0)) for r in self._ranks]
             b1 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 1)) for r in self._ranks]
             views = (b0, b1, self._scratch.view(npdt)[:k])
@@ -159,7 +160,7 @@ class ArenaTransport(Transport):
         n, me, a = self.world_size, self.rank, self.arena
         if n == 1:
             if op == RedOpType.PREMUL_SUM:
-                buf.mul_(factor)
+                buf.mul_(1.0 if factor is None else factor)
             return
         dt = buf.dtype
         self._enter(ctx)

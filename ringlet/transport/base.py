@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from ringlet.errors import DistError
 from ringlet.transport.reduce import RedOpType
+
+_E = TypeVar("_E", bound=DistError)
 
 __all__ = ["CODE_DTYPES", "DTYPE_CODES", "OPCODES", "OpContext", "Transport"]
 
@@ -112,7 +114,7 @@ class OpContext:
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def error(self, cls: type[DistError], what: str, **extra: Any) -> DistError:
+    def error(self, cls: type[_E], what: str, **extra: Any) -> _E:
         """Build an error carrying the error-message contract's fields (RELIABILITY.md)."""
         msg = (f"[rank {self.rank}/{self.world_size}] group {self.group}: {self.describe()}: {what} "
                f"(elapsed {self.elapsed():.2f} s, timeout {self.timeout:.1f} s)")

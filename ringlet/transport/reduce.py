@@ -47,7 +47,7 @@ def check_op_dtype(op: RedOpType, dtype: torch.dtype, opname: str) -> None:
 def prepare_contribution(src: torch.Tensor, dst: torch.Tensor, op: RedOpType, factor: float | None) -> None:
     """Write this rank's contribution of ``src`` into ``dst`` (PREMUL_SUM scales it first)."""
     if op == RedOpType.PREMUL_SUM:
-        torch.mul(src, factor, out=dst)
+        torch.mul(src, 1.0 if factor is None else factor, out=dst)
     else:
         dst.copy_(src)
 
