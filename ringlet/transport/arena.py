@@ -144,6 +144,7 @@ class Arena:
         n = self.world_size
         self.flag_i = [(layout.ctrl_off + r * CTRL_BYTES) // 8 for r in range(n)]
         self.peers = [r for r in range(n) if r != rank]
+        self._peer_flags = [self.flag_i[r] for r in self.peers]
         self.spin_iters = SPIN_ITERS if n <= (os.cpu_count() or 1) else 0
         self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self.wait_s = 0.0                   # time spent in the slow path of waits
@@ -240,7 +241,11 @@ class Arena:
             backoff.pause(list(ranks))
 
     def wait_all_step(self, step: int, ctx: OpContext) -> None:
-        self.wait_ge([self.flag_i[r] for r in self.peers], self.peers, step, ctx)
+        q = self.q
+        for i in self._peer_flags:          # fast path: everyone is already there
+            if q[i] < step:
+                self.wait_ge(self._peer_flags, self.peers, step, ctx)
+                return
 
     def _check_peers(self, ranks: Sequence[int], ctx: OpContext) -> None:
         for r in ranks:

@@ -89,6 +89,8 @@ class ArenaTransport(Transport):
         self._flag_me = arena.flag_i[self.rank]
         self._ranks = list(range(n))
         self._verify = _env.fingerprint_checks()
+        self._entered_i = arena.ctrl(self.rank, C_ENTERED)
+        self._done_i = arena.ctrl(self.rank, C_DONE)
         base = arena.u8.data_ptr()
         self._slot_addr = [[base + lay.slot_data_off(r, b) for b in (0, 1)] for r in range(n)]
         self._fast: dict[tuple[torch.dtype, int], tuple[list[np.ndarray], list[np.ndarray], np.ndarray]] = {}
@@ -139,10 +141,10 @@ class ArenaTransport(Transport):
                          "ranks called different collectives: " + "; ".join(calls), calls=calls)
 
     def _enter(self, ctx: OpContext) -> None:
-        self.q[self.arena.ctrl(self.rank, C_ENTERED)] = ctx.seq
+        self.q[self._entered_i] = ctx.seq
 
     def _done(self, ctx: OpContext) -> None:
-        self.q[self.arena.ctrl(self.rank, C_DONE)] = ctx.seq
+        self.q[self._done_i] = ctx.seq
 
     def _cap(self, dtype: torch.dtype) -> int:
         return self.arena.layout.slot_bytes // dtype.itemsize
