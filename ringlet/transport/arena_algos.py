@@ -264,6 +264,11 @@ class ArenaTransport(Transport):
         self._enter(ctx)
         fp = ctx.fingerprint()
         dt = fi.dtype
+        nbytes = N * fi.element_size()
+        if nbytes <= FAST_BYTES and self._fast_ok:
+            self._small_gather(fi, fo, nbytes, ctx)
+            self._done(ctx)
+            return
         for k, off, c in _chunks(N, self._cap(dt)):
             s = self.step + 1
             b = s & 1
@@ -274,6 +279,17 @@ class ArenaTransport(Transport):
                     src = fi[off:off + c] if r == me else a.slot(r, b, dt)[:c]
                     fo[r * N + off:r * N + off + c].copy_(src)
         self._done(ctx)
+
+    def _small_gather(self, fi: torch.Tensor, fo: torch.Tensor | None, nbytes: int, ctx: OpContext) -> None:
+        s = self.step + 1
+        b = s & 1
+        src = fi.data_ptr()
+        _memmove(self._slot_addr[self.rank][b], src, nbytes)
+        self._sync(s, ctx.fingerprint(), 0, ctx)
+        if fo is not None:
+            dst = fo.data_ptr()
+            for r in self._ranks:
+                _memmove(dst + r * nbytes, src if r == self.rank else self._slot_addr[r][b], nbytes)
 
     def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext) -> None:
         fo = out.view(-1)
@@ -310,6 +326,12 @@ class ArenaTransport(Transport):
         self._enter(ctx)
         fp = ctx.fingerprint()
         dt = fo.dtype
+        nbytes = N * fo.element_size()
+        if (self._fast_ok and nbytes * n <= FAST_BYTES and dt in _NP_DTYPES and op in _UFUNCS
+                and (op != RedOpType.AVG or dt.is_floating_point)):
+            self._small_reduce_scatter(fi, fo, op, nbytes, ctx)
+            self._done(ctx)
+            return
         sub = self._cap(dt) // n
         for k, off, c in _chunks(N, sub):
             s = self.step + 1
@@ -322,6 +344,39 @@ class ArenaTransport(Transport):
             combine_(piece, [a.slot(r, b, dt)[me * sub:me * sub + c] for r in self._ranks], op)
             finish_(piece, op, n)
         self._done(ctx)
+
+    def _small_reduce_scatter(self, fi: torch.Tensor, fo: torch.Tensor, op: RedOpType, nbytes: int,
+                              ctx: OpContext) -> None:
+        """Whole input into this rank's slot in one memmove; reduce block ``rank`` of every slot."""
+        n, me = self.world_size, self.rank
+        s = self.step + 1
+        b = s & 1
+        _memmove(self._slot_addr[me][b], fi.data_ptr(), nbytes * n)
+        self._sync(s, ctx.fingerprint(), 0, ctx)
+        k = fo.numel()
+        key = (fo.dtype, -k)          # negative k: the block-``rank`` views of reduce_scatter
+        views = self._fast.get(key)
+        if views is None:
+            if len(self._fast) >= _FAST_CACHE_MAX:
+                self._fast.clear()
+            npdt = np.dtype(_NP_DTYPES[fo.dtype])
+            lay, mem = self.arena.layout, cast(Any, self.arena.memory)
+            b0 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 0) + me * nbytes) for r in self._ranks]
+            b1 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 1) + me * nbytes) for r in self._ranks]
+            views = self._fast[key] = (b0, b1, self._scratch.view(npdt)[:k])
+        slots = views[1] if b else views[0]
+        out = views[2]
+        ufunc = _UFUNCS[op]
+        token = _quiet()
+        try:
+            ufunc(slots[0], slots[1], out=out)
+            for r in range(2, n):
+                ufunc(out, slots[r], out=out)
+            if op == RedOpType.AVG:
+                np.divide(out, n, out=out)
+        finally:
+            _loud(token)
+        _memmove(fo.data_ptr(), self._scratch_addr, nbytes)
 
     def all_to_all(self, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
                    out_splits: list[int], ctx: OpContext) -> None:
