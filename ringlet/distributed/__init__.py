@@ -13,10 +13,12 @@ from ringlet.errors import (
     CollectiveMismatchError, CollectiveTimeoutError, DistBackendError, DistError, DistNetworkError,
     DistStoreError, GroupAbortedError, PeerFailureError,
 )
+from ringlet.mesh import DeviceMesh, init_device_mesh
 from ringlet.store import FileStore, HashStore, PrefixStore, Store, TCPStore
 
 __all__ = [
     *_c10d_all, "all_gather_single", "reduce_scatter_single", "DistError", "DistBackendError",
     "DistNetworkError", "DistStoreError", "CollectiveTimeoutError", "CollectiveMismatchError",
     "PeerFailureError", "GroupAbortedError", "TCPStore", "FileStore", "HashStore", "PrefixStore", "Store",
+    "DeviceMesh", "init_device_mesh",
 ]

@@ -1,0 +1,20 @@
+"""DTensor (layer 6): placements, the DTensor class, redistribution and sharding rules."""
+
+from ringlet.dtensor._api import DTensor, distribute_tensor, serialization_globals
+from ringlet.dtensor._module import distribute_module
+from ringlet.dtensor.debug import CommDebugMode
+from ringlet.dtensor.experimental import implicit_replication
+from ringlet.dtensor.placements import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "CommDebugMode",
+    "DTensor",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "distribute_module",
+    "distribute_tensor",
+    "implicit_replication",
+    "serialization_globals",
+]

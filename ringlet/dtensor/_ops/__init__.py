@@ -1,0 +1,28 @@
+"""Sharding rules per op family; importing this package registers them with ``_dispatch``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ringlet.dtensor._ops import embedding, matrix, pointwise, reduction, tensor_ops, view  # noqa: F401
+
+__all__ = ["family_rule"]
+
+_cache: dict[Any, Any] = {}
+
+
+def family_rule(func: Any) -> Any:
+    """The rule of an op without a registered one: ``_foreach_*`` and ``pointwise``-tagged ops."""
+    if func in _cache:
+        return _cache[func]
+    name: str = func.overloadpacket.__name__
+    rule: Any = None
+    if name.startswith("_foreach_"):
+        base = name.removeprefix("_foreach_").rstrip("_")
+        rule = reduction.foreach_reduction_rule if base in ("norm", "max") else pointwise.foreach_rule
+    elif torch.Tag.pointwise in func.tags:
+        rule = pointwise.pointwise_rule
+    _cache[func] = rule
+    return rule

@@ -1,0 +1,95 @@
+"""``DTensorSpec``: a DTensor's mesh, placements, global shape and stride (pure metadata)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from ringlet.dtensor import _shard_math
+from ringlet.dtensor.placements import Placement, Replicate, Shard
+from ringlet.mesh import DeviceMesh
+
+__all__ = ["DTensorSpec", "Placements", "format_spec", "normalize_placements"]
+
+Placements = tuple[Placement, ...]
+
+_DTYPE_TAGS = {
+    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.bool: "b8", torch.complex64: "c64", torch.complex128: "c128",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DTensorSpec:
+    """Where a DTensor's global value lives: ``placements[i]`` says what mesh axis ``i`` does."""
+
+    mesh: DeviceMesh
+    placements: Placements
+    shape: tuple[int, ...]        # global shape
+    stride: tuple[int, ...]       # global stride (what the wrapper tensor reports)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def coordinate(self) -> list[int]:
+        coord = self.mesh.get_coordinate()
+        if coord is None:
+            raise ValueError(f"rank {self.mesh.get_rank()} is not part of {self.mesh!r}; DTensors live on the "
+                             "ranks of their mesh")
+        return coord
+
+    def local_shape(self) -> list[int]:
+        return _shard_math.local_shape_and_offset(self.shape, self.mesh.shape, self.coordinate(),
+                                                  self.placements)[0]
+
+    def local_offset(self) -> list[int]:
+        return _shard_math.local_shape_and_offset(self.shape, self.mesh.shape, self.coordinate(),
+                                                  self.placements)[1]
+
+    def with_placements(self, placements: Placements) -> DTensorSpec:
+        return dataclasses.replace(self, placements=placements)
+
+    def is_replicated(self) -> bool:
+        return all(p.is_replicate() for p in self.placements)
+
+
+def normalize_placements(placements: Sequence[Placement] | None, mesh: DeviceMesh, ndim: int,
+                         op: str) -> Placements:
+    """``placements`` as a tuple of one placement per mesh axis, negative shard dims resolved.
+
+    ``None`` means all ``Replicate``.  Raises ``ValueError``/``TypeError`` naming ``op``.
+    """
+    if placements is None:
+        return (Replicate(),) * mesh.ndim
+    pls = tuple(placements)
+    if len(pls) != mesh.ndim:
+        raise ValueError(f"{op}: placements: expected one placement per mesh axis ({mesh.ndim} for {mesh!r}), "
+                         f"got {list(pls)}")
+    out: list[Placement] = []
+    for p in pls:
+        if not isinstance(p, Placement):
+            raise TypeError(f"{op}: placements: expected Shard, Replicate or Partial objects, got {p!r}")
+        if isinstance(p, Shard):
+            if not -ndim <= p.dim < max(ndim, 1) or ndim == 0:
+                raise ValueError(f"{op}: placements: {p!r} names a dim outside a {ndim}-d tensor")
+            p = Shard(p.dim % ndim)
+        out.append(p)
+    return tuple(out)
+
+
+def format_spec(spec: DTensorSpec, dtype: torch.dtype) -> str:
+    """One line: ``DTensor(f32[8@tp,4] S(0)R)``; a sharded dim names the axes that split it."""
+    names = spec.mesh.mesh_dim_names
+    dims = []
+    for d, size in enumerate(spec.shape):
+        axes = [names[a] if names else str(a) for a, p in enumerate(spec.placements) if p.is_shard(d)]
+        dims.append(str(size) + "".join(f"@{a}" for a in axes))
+    tag = _DTYPE_TAGS.get(dtype, str(dtype).replace("torch.", ""))
+    pls = "".join(repr(p) for p in spec.placements)
+    return f"DTensor({tag}[{','.join(dims)}] {pls})"
+
+
