@@ -1,0 +1,205 @@
+"""Bucket buffers and gradient slots: the memory side of the reducer.
+
+A :class:`Layout` turns a bucket plan (``_buckets.plan_buckets``) into buckets and gives each
+parameter a *slot*: a view, shaped like the parameter, of its bucket's flat buffer.  Buffers are
+allocated once and reused every iteration.  Gradients move between ``.grad`` and slots:
+
+- default: ``copy_in`` copies ``.grad`` into the slot before the all-reduce, ``copy_out``
+  copies the reduced slot back;
+- ``gradient_as_bucket_view=True``: ``.grad`` is made the slot itself (the first time with a
+  copy; after that autograd accumulates straight into the bucket), so neither copy happens;
+- a one-parameter bucket (see [Note: solo buckets] in ``_buckets.py``) adopts the gradient
+  tensor itself as this iteration's buffer when it is contiguous: the all-reduce runs in place
+  on ``.grad``, with no copy in either mode.  Its own buffer is allocated only if needed (a
+  parameter without a gradient, a non-contiguous gradient).
+
+[Note: slots of unused parameters]
+A parameter that gets no gradient on this rank contributes zeros: its slot is zeroed.  With
+bucket views its ``.grad`` may *be* that slot, so it is first detached into a private copy;
+if no rank used the parameter, that copy keeps the old gradient (torch's behaviour: a
+gradient nobody produced is left untouched), otherwise ``.grad`` becomes the averaged slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ringlet.parallel.ddp._buckets import BucketPlan, default_order, plan_buckets
+
+__all__ = ["Bucket", "Layout"]
+
+
+class Bucket:
+    """One bucket: its plan, its buffer, and the state of its reduction in this iteration."""
+
+    def __init__(self, index: int, plan: BucketPlan, params: Sequence[torch.Tensor]) -> None:
+        self.index = index
+        self.plan = plan
+        self._shapes = [params[i].shape for i in plan.indices]
+        self._own: torch.Tensor | None = None         # the flat buffer (lazy for solo buckets)
+        self._slots: list[torch.Tensor] = []
+        if not plan.solo:
+            self.own()
+        self.buffer: torch.Tensor | None = self._own  # what this iteration reduces
+        self.adopted = False                          # solo: buffer is the gradient itself
+        self.pending = len(plan.indices)              # members whose gradient is not in yet
+        self.launched = False
+        self.handle: Any = None                       # Work (plain all-reduce) or Future (comm hook)
+
+    def own(self) -> torch.Tensor:
+        """The bucket's own flat buffer, allocated on first use."""
+        if self._own is None:
+            self._own = torch.zeros(self.plan.numel, dtype=self.plan.dtype)
+            self._slots = [self._own[off:off + shape.numel()].view(shape)
+                           for off, shape in zip(self.plan.offsets, self._shapes)]
+        return self._own
+
+    def slot(self, member: int) -> torch.Tensor:
+        self.own()
+        return self._slots[member]
+
+    def use_own(self) -> torch.Tensor:
+        """Reduce the own buffer this iteration (not an adopted gradient)."""
+        self.buffer = self.own()
+        self.adopted = False
+        return self.buffer
+
+    def reset(self) -> None:
+        self.buffer = self._own
+        self.adopted = False
+        self.pending = len(self.plan.indices)
+        self.launched = False
+        self.handle = None
+
+    def wait_result(self) -> None:
+        """Wait for this bucket's reduction; a comm hook's result is written into the buffer."""
+        handle, self.handle = self.handle, None
+        if handle is None:
+            return
+        if not isinstance(handle, torch._C.Future):     # a Work of a plain all-reduce
+            handle.wait()
+            return
+        value = handle.wait()                           # a comm hook's future
+        if isinstance(value, (list, tuple)):
+            value = value[0]
+        buf = self.buffer
+        if buf is None or not isinstance(value, torch.Tensor) or value.numel() != buf.numel():
+            raise TypeError(f"DistributedDataParallel: expected the comm hook's future to hold a tensor "
+                            f"of {self.plan.numel} elements for bucket {self.index}, got {_describe(value)}")
+        if value.data_ptr() != buf.data_ptr():
+            buf.copy_(value.reshape(-1))
+
+    def __repr__(self) -> str:
+        return f"Bucket({self.index}, {self.plan!r}, pending {self.pending})"
+
+
+class Layout:
+    """Buckets for ``params`` and each parameter's slot (see the module docstring)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], cap_bytes: int, as_view: bool) -> None:
+        self.params = params
+        self.cap_bytes = cap_bytes
+        self.as_view = as_view
+        self.buckets: list[Bucket] = []
+        self._where: list[tuple[int, int]] = []
+        self.install(default_order(len(params)))
+
+    @property
+    def plans(self) -> list[BucketPlan]:
+        return [b.plan for b in self.buckets]
+
+    def install(self, order: list[int]) -> bool:
+        """(Re)build the buckets for a ready ``order``; False if the plan did not change."""
+        plans = plan_buckets([p.numel() for p in self.params], [p.dtype for p in self.params], order,
+                             self.cap_bytes)
+        if self.buckets and plans == self.plans:
+            return False
+        old = [self.slot(i) if self.buckets and not self.bucket_of(i).plan.solo else None
+               for i in range(len(self.params))]
+        self.buckets = [Bucket(k, plan, self.params) for k, plan in enumerate(plans)]
+        where = [(0, 0)] * len(self.params)
+        for b in self.buckets:
+            for m, i in enumerate(b.plan.indices):
+                where[i] = (b.index, m)
+        self._where = where
+        if self.as_view:
+            for i, p in enumerate(self.params):
+                prev = old[i]
+                if p.grad is not None and not self.bucket_of(i).plan.solo and (
+                        prev is None or _aliases(p.grad, prev)):
+                    self.copy_in(i, p)       # existing gradients move into the (new) buckets
+            self.reset_iteration()
+        return True
+
+    def bucket_of(self, i: int) -> Bucket:
+        return self.buckets[self._where[i][0]]
+
+    def slot(self, i: int) -> torch.Tensor:
+        b, m = self._where[i]
+        return self.buckets[b].slot(m)
+
+    def copy_in(self, i: int, p: torch.Tensor) -> None:
+        """Put parameter ``i``'s gradient into its bucket (see the module docstring)."""
+        g = p.grad
+        if g is None:
+            raise AssertionError(f"DDP: parameter {i} fired its gradient hook without a gradient")
+        if g.layout != torch.strided:
+            raise NotImplementedError(f"DistributedDataParallel: expected dense gradients, got a "
+                                      f"{g.layout} gradient for parameter {i} (sparse gradients are "
+                                      "not supported)")
+        bucket = self.bucket_of(i)
+        if bucket.plan.solo and g.is_contiguous() and g.dtype == bucket.plan.dtype:
+            bucket.buffer = g.view(-1)       # reduce in place on the gradient: no copy
+            bucket.adopted = True
+            return
+        slot = self.slot(i)
+        bucket.use_own()
+        if self.as_view:
+            if not _aliases(g, slot):
+                slot.copy_(g)
+                p.grad = slot
+        else:
+            slot.copy_(g)
+
+    def copy_out(self, i: int, p: torch.Tensor) -> None:
+        """Make ``.grad`` hold the reduced slot."""
+        bucket = self.bucket_of(i)
+        if bucket.adopted:
+            return                           # reduced in place on .grad
+        slot = self.slot(i)
+        g = p.grad
+        if self.as_view:
+            if g is None or not _aliases(g, slot):
+                p.grad = slot
+        elif g is None:
+            p.grad = slot.clone()
+        else:
+            g.copy_(slot)
+
+    def zero_slot(self, i: int) -> None:
+        """This rank contributes zeros for parameter ``i`` (see [Note: slots of unused parameters])."""
+        bucket = self.bucket_of(i)
+        if bucket.plan.solo:
+            bucket.use_own()
+        slot = self.slot(i)
+        p = self.params[i]
+        if self.as_view and p.grad is not None and _aliases(p.grad, slot):
+            p.grad = slot.clone()
+        slot.zero_()
+
+    def reset_iteration(self) -> None:
+        for b in self.buckets:
+            b.reset()
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of {value.numel()} elements"
+    return type(value).__name__

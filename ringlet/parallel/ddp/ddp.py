@@ -1,0 +1,324 @@
+"""``DistributedDataParallel``: torch's constructor and behaviour over ringlet's process groups.
+
+The module keeps its group (``process_group``, ``device_mesh.get_group()`` or the default
+group at construction) and never looks the world up again.  Construction verifies that every
+rank holds the same parameters and buffers, then broadcasts rank 0's values.  Each training
+forward may broadcast buffers, rebuild buckets once, and tell the reducer to expect a
+backward; the reducer (``_reducer.py``) does the gradient all-reduce during backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringlet.c10d import ReduceOp, all_reduce
+from ringlet.c10d.world import resolve_group
+from ringlet.parallel.ddp import _checks
+from ringlet.parallel.ddp._buckets import cap_bytes_from_mb
+from ringlet.parallel.ddp._join import DDPJoinHook, Join, Joinable
+from ringlet.parallel.ddp._reducer import Phase, Reducer
+
+__all__ = ["DistributedDataParallel"]
+
+
+class DistributedDataParallel(nn.Module, Joinable):
+    """Data parallelism: replicate ``module`` on every rank, average gradients in backward.
+
+    Args:
+        module: the model (CPU parameters).
+        device_ids, output_device, dim: for GPU modules in torch; a CPU module takes
+            ``device_ids=None`` (other values raise ``ValueError``).
+        broadcast_buffers: broadcast rank 0's buffers before each synchronised training forward.
+        init_sync: broadcast rank 0's parameters and buffers at construction.
+        process_group: the group to reduce over (default: the default group).
+        bucket_cap_mb: bucket size in MiB (default 25; the first bucket is 1 MiB).
+        find_unused_parameters: find parameters the forward did not use (walks the autograd
+            graph each iteration) so their buckets need not wait; parameters used on some ranks
+            only get the average of the ranks' gradients (zeros from the others).
+        check_reduction: ignored (deprecated in torch).
+        gradient_as_bucket_view: ``.grad`` tensors are views of the bucket buffers (no copies).
+        static_graph: the graph is the same every iteration; allows a parameter to be reused in
+            several reentrant checkpoints.
+        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision: not supported
+            (``NotImplementedError`` when given).
+        device_mesh: a 1-d mesh whose group to use (instead of ``process_group``).
+        skip_all_reduce_unused_params: with ``find_unused_parameters``, skip buckets whose
+            parameters are all unused (they must then be unused on every rank).
+
+    Raises:
+        RuntimeError: the ranks' models differ (names the rank and the first difference), or
+            no parameter requires a gradient.
+        ValueError: conflicting or unsupported arguments.
+
+    Example::
+
+        model = DistributedDataParallel(nn.Linear(8, 4))
+        loss = model(torch.randn(16, 8)).sum()
+        loss.backward()            # .grad now holds the average over ranks
+        with model.no_sync():      # gradient accumulation: no communication
+            model(x).sum().backward()
+    """
+
+    reducer: Reducer        # hooks and buckets (a plain attribute: not a submodule)
+    module: nn.Module
+
+    def __init__(self, module: nn.Module, device_ids: list[Any] | None = None, output_device: Any = None,
+                 dim: int = 0, broadcast_buffers: bool = True, init_sync: bool = True,
+                 process_group: Any = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce_named_params: Any = None, param_to_hook_all_reduce: Any = None,
+                 mixed_precision: Any = None, device_mesh: Any = None,
+                 skip_all_reduce_unused_params: bool = False) -> None:
+        nn.Module.__init__(self)
+        Joinable.__init__(self)
+        _refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision)
+        self.module = module
+        self.process_group = _pick_group(process_group, device_mesh)
+        self.device_mesh = device_mesh
+        ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named_params = [(n, p) for n, p in module.named_parameters() if n not in ignore]
+        named_buffers = [(n, b) for n, b in module.named_buffers() if n not in ignore]
+        _check_devices(named_params, device_ids, output_device)
+        trained = [(n, p) for n, p in named_params if p.requires_grad]
+        if not trained:
+            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
+                               "parameter that requires a gradient.")
+        self.device_ids = None
+        self.output_device = output_device
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.check_reduction = check_reduction
+        self.bucket_bytes_cap = cap_bytes_from_mb(bucket_cap_mb)
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._divide_by_initial_world_size = True
+        self._ignore = ignore
+        self._all_params = [p for _, p in named_params]
+
+        pg = self.process_group
+        with torch.profiler.record_function("DistributedDataParallel.__init__"):
+            _checks.verify_same_model(_checks.describe(named_params, named_buffers), pg)
+            if init_sync:
+                _checks.broadcast_coalesced(self._all_params + [b for _, b in named_buffers], pg, 0)
+        self.reducer = Reducer(
+            [p for _, p in trained], [n for n, _ in trained], pg, cap_bytes=self.bucket_bytes_cap,
+            gradient_as_bucket_view=gradient_as_bucket_view, find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph, skip_all_reduce_unused_params=skip_all_reduce_unused_params)
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function("DistributedDataParallel.forward"):
+            training = torch.is_grad_enabled()
+            sync = training and self.require_backward_grad_sync
+            join_work = self._pre_forward(sync) if training else None
+            out = self.module(*inputs, **kwargs)
+            if sync:
+                self.reducer.prepare_for_backward(out, join_work)
+            elif training:
+                self.reducer.skip_backward()
+            return out
+
+    def _pre_forward(self, sync: bool) -> Any:
+        """Collectives before a training forward: Join's flag, bucket rebuild, buffer broadcast."""
+        reducer = self.reducer
+        reducer.check_finished()
+        join_work = Join.notify_join_context(self)
+        if join_work is not None:
+            sync, src, rebuild = self._agree_under_join(active=True, sync=sync)
+        else:
+            src, rebuild = 0, reducer.rebuild_pending()
+        if rebuild:
+            reducer.rebuild_buckets(src)
+        self.require_forward_param_sync = sync
+        if sync and self.broadcast_buffers:
+            self._sync_buffers(src, "buffer broadcast before forward")
+        if reducer.phase is Phase.IDLE:
+            reducer.divide_by_initial_world_size = self._divide_by_initial_world_size
+        return join_work
+
+    def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        # Read afresh each time: module.to() / _apply() replace buffer tensors.
+        return [(n, b) for n, b in self.module.named_buffers() if n not in self._ignore]
+
+    def _sync_buffers(self, src: int, what: str) -> None:
+        """Broadcast the buffers from group rank ``src``.
+
+        A second forward before backward (the GAN pattern: D(real), D(fake), one backward) must
+        not overwrite buffers that the first forward's graph saved (BatchNorm saves its running
+        statistics): then receiving ranks get new buffer tensors instead.
+        """
+        named = self._named_buffers()
+        if not named:
+            return
+        replace = self.reducer.phase is Phase.PREPARED
+        old = [b for _, b in named]
+        with self.reducer.annotate(what):
+            new = _checks.broadcast_coalesced(old, self.process_group, src, replace=replace)
+        swaps = {id(o): t for o, t in zip(old, new) if t is not o}
+        if swaps:
+            for mod in self.module.modules():
+                for name, b in mod._buffers.items():
+                    if b is not None and id(b) in swaps:
+                        mod._buffers[name] = swaps[id(b)]
+
+    def _agree_under_join(self, active: bool, sync: bool) -> tuple[bool, int, bool]:
+        """Inside Join: (does any rank sync, an active rank to broadcast from, rebuild now?).
+
+        One MAX all-reduce that joined ranks shadow; it picks the highest active rank as the
+        source of buffers and of the bucket order, since rank 0 may have run out of data.
+        """
+        pg = self.process_group
+        flags = torch.tensor([int(sync), pg.rank() if active else -1, int(self.reducer.rebuild_pending())])
+        with self.reducer.annotate("Join agreement"):
+            all_reduce(flags, op=ReduceOp.MAX, group=pg)
+        any_sync, src, rebuild = flags.tolist()
+        return bool(any_sync), int(src), bool(rebuild)
+
+    # -- gradient accumulation -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip the gradient all-reduce for backward passes of forwards run inside this context.
+
+        Gradients accumulate locally; the first synchronised backward after it averages the sum.
+
+        Example::
+
+            with ddp.no_sync():
+                for x in micro_batches[:-1]:
+                    ddp(x).sum().backward()
+            ddp(micro_batches[-1]).sum().backward()   # all-reduces the accumulated gradients
+        """
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    # -- communication hooks -------------------------------------------------------------------
+    def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future]) -> None:
+        """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` instead of an all-reduce.
+
+        The hook gets a :class:`~ringlet.parallel.ddp.GradBucket` whose buffer holds this rank's
+        (not yet averaged) gradients; the future's tensor is written into the bucket.  Register
+        once, before the first backward.
+
+        Raises:
+            RuntimeError: a hook is already registered, or a backward is in progress.
+            TypeError: ``hook`` is not callable.
+        """
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: expected a callable hook, got {type(hook).__name__}")
+        if self.reducer.comm_hook is not None:
+            raise RuntimeError("register_comm_hook: expected a single registration, but a communication "
+                               "hook is already registered")
+        if self.reducer.phase is Phase.REDUCING:
+            raise RuntimeError("register_comm_hook: expected no backward in progress, got one")
+        self.reducer.comm_hook = (state, hook)
+
+    def _set_static_graph(self) -> None:
+        """torch's older way to ask for ``static_graph=True`` (before the first iteration)."""
+        if self.reducer.reductions:
+            raise RuntimeError("_set_static_graph: expected to be called before the first iteration")
+        self.static_graph = self.reducer.static_graph = True
+
+    # -- Join (uneven inputs) ------------------------------------------------------------------
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Any:
+        """A :class:`Join` context for this model alone: ranks may run different numbers of batches.
+
+        A rank that runs out of data shadows the others' collectives with zeros until all are
+        done; then the last rank to finish broadcasts the final parameters.  With
+        ``divide_by_initial_world_size=False`` gradients are averaged over the ranks still active.
+
+        Example::
+
+            with ddp.join():
+                for x in loader:            # lengths may differ between ranks
+                    ddp(x).sum().backward()
+                    opt.step(); opt.zero_grad()
+        """
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        """The hook a :class:`Join` context runs for this model on a rank that ran out of data."""
+        return DDPJoinHook(self, bool(kwargs.get("divide_by_initial_world_size", True)))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._all_params[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    def _shadow_iteration(self) -> None:
+        """A joined rank's side of one iteration (see ``DDPJoinHook.main_hook``)."""
+        sync, src, rebuild = self._agree_under_join(active=False, sync=False)
+        if rebuild:
+            self.reducer.rebuild_buckets(src)
+        if sync and self.broadcast_buffers:
+            self._sync_buffers(src, "joined rank's buffer broadcast")
+        if sync:
+            self.reducer.shadow_backward()
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """After Join: every rank takes the parameters and buffers of the last rank to join."""
+        pg = self.process_group
+        src = torch.tensor([pg.rank() if is_last_joiner else -1])
+        with self.reducer.annotate("final model sync after Join"):
+            all_reduce(src, op=ReduceOp.MAX, group=pg)
+            buffers = [b for _, b in self._named_buffers()]
+            _checks.broadcast_coalesced(self._all_params + buffers, pg, int(src.item()))
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any
+                                                    ) -> None:
+        """Exclude these fully-qualified names from DDP's broadcast and reduction (torch's API)."""
+        module._ddp_params_and_buffers_to_ignore = list(params_and_buffers_to_ignore)  # type: ignore[assignment]
+
+
+def _refuse_unsupported(delay: Any, param_to_hook: Any, mixed_precision: Any) -> None:
+    if mixed_precision is not None:
+        raise NotImplementedError("DistributedDataParallel: mixed_precision is not supported by ringlet; "
+                                  "cast the model yourself or use a bf16/fp16 compression comm hook")
+    if delay is not None or param_to_hook is not None:
+        raise NotImplementedError("DistributedDataParallel: delay_all_reduce_named_params and "
+                                  "param_to_hook_all_reduce are not supported by ringlet")
+
+
+def _pick_group(process_group: Any, device_mesh: Any) -> Any:
+    if process_group is not None and device_mesh is not None:
+        raise ValueError("DistributedDataParallel: expected process_group or device_mesh, got both")
+    if device_mesh is not None:
+        ndim = getattr(device_mesh, "ndim", 1)
+        if ndim != 1:
+            raise ValueError(f"DistributedDataParallel: expected a 1-d device_mesh, got {ndim} dims")
+        process_group = device_mesh.get_group()
+    pg = resolve_group(process_group)
+    if pg is None:
+        raise ValueError("DistributedDataParallel: expected a process group this rank belongs to, "
+                         "got one that does not include it")
+    return pg
+
+
+def _check_devices(named_params: Sequence[tuple[str, torch.Tensor]], device_ids: Any, output_device: Any) -> None:
+    devices = {p.device for _, p in named_params}
+    bad = sorted(str(d) for d in devices if d.type != "cpu")
+    if bad:
+        raise ValueError(f"DistributedDataParallel: expected CPU parameters (ringlet's transports serve "
+                         f"CPU tensors), got parameters on {bad}")
+    if device_ids or output_device is not None:
+        raise ValueError(f"DistributedDataParallel: device_ids and output_device only work with GPU modules; "
+                         f"expected None for a CPU module, got device_ids {device_ids}, output_device "
+                         f"{output_device}")

@@ -1,0 +1,163 @@
+"""The flat collectives of one param group: one all-gather, one reduce-scatter (+ one all-reduce for HSDP).
+
+Each collective is split into a *start* (copy-in, issue, possibly ``async_op=True``) and a
+*finish* (wait, copy-out) so that the group can prefetch: start the next group's all-gather
+while this group computes, finish it in that group's pre-forward.  Layouts are in
+``_shard_math`` ([Note: flat layouts]).
+
+[Note: buffer reuse]
+The gathered buffer of an all-gather and the input of a reduce-scatter live only until the
+collective and its copy-out are done, and blocks of a model have equal sizes, so they come
+from a :class:`BufferPool` shared by the groups under one root and go back to it afterwards.
+A fresh multi-MiB CPU allocation is an ``mmap`` whose pages fault in on first touch (with
+``MALLOC_MMAP_THRESHOLD_`` set, as in our benchmarks, every large one): measured here, a
+7 MB copy into a fresh buffer costs 4-5x a copy into a reused one.  A buffer goes back to
+the pool only after its Work completed, so no transport still reads or writes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ringlet.c10d.collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
+from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.reduce_op import ReduceOp, _make_nccl_premul_sum
+from ringlet.c10d.work import Work
+from ringlet.parallel.fsdp._shard_math import GroupLayout, copy_in_grads, copy_out
+
+__all__ = [
+    "AllGather",
+    "ReduceScatter",
+    "all_reduce_replicas",
+    "finish_all_gather",
+    "finish_reduce_scatter",
+    "start_all_gather",
+    "start_reduce_scatter",
+]
+
+
+class BufferPool:
+    """Free flat buffers per (dtype, device), at most ``max_free`` of each (see [Note: buffer reuse]).
+
+    ``take`` hands out the smallest free buffer that is large enough (a prefix view of it), so
+    a root's larger buffers also serve its blocks; ``give`` takes back such a view.
+    """
+
+    def __init__(self, max_free: int = 3) -> None:
+        self.max_free = max_free
+        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free.get((dtype, device))
+        if free:
+            fits = [i for i, t in enumerate(free) if t.numel() >= numel]   # by index: == on tensors is elementwise
+            if fits:
+                best = free.pop(min(fits, key=lambda i: free[i].numel()))
+                return best[:numel]
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, t: torch.Tensor) -> None:
+        base = t if t._base is None else t._base
+        free = self._free.setdefault((base.dtype, base.device), [])
+        if any(x is base for x in free):
+            return
+        if len(free) < self.max_free:
+            free.append(base)
+            return
+        smallest = min(range(len(free)), key=lambda i: free[i].numel())
+        if base.numel() > free[smallest].numel():     # keep the larger ones
+            free[smallest] = base
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
+
+
+@dataclasses.dataclass
+class AllGather:
+    """An issued all-gather: ``gathered`` is filled once ``work`` completes (``work`` None: done)."""
+
+    work: Work | None
+    gathered: torch.Tensor
+    source: torch.Tensor          # kept alive until the transport has read it
+
+
+@dataclasses.dataclass
+class ReduceScatter:
+    """An issued reduce-scatter: ``output`` (shard layout) is valid once ``work`` completes."""
+
+    work: Work | None
+    source: torch.Tensor
+    output: torch.Tensor
+    with_grad: list[int]          # indices of the group's params that had a gradient
+
+
+def start_all_gather(shard_buffer: torch.Tensor, dtype: torch.dtype, layout: GroupLayout, pg: ProcessGroup,
+                     async_op: bool, pool: BufferPool) -> AllGather:
+    """All-gather the shard buffers (cast to ``dtype`` for mixed precision) into a rank-major buffer."""
+    device = shard_buffer.device
+    if shard_buffer.dtype == dtype:
+        source = shard_buffer
+    else:
+        source = pool.take(layout.shard_numel, dtype, device).copy_(shard_buffer)
+    gathered = pool.take(layout.gathered_numel, dtype, device)
+    work = all_gather_into_tensor(gathered, source, group=pg, async_op=async_op)
+    return AllGather(work, gathered, source)
+
+
+def wait_all_gather(ag: AllGather, pool: BufferPool, shard_buffer: torch.Tensor) -> None:
+    if ag.work is not None:
+        ag.work.wait()
+        ag.work = None
+    if ag.source is not shard_buffer:
+        pool.give(ag.source)
+
+
+def finish_all_gather(ag: AllGather, unsharded: torch.Tensor, layout: GroupLayout, pool: BufferPool,
+                      shard_buffer: torch.Tensor) -> None:
+    """Wait for ``ag``, copy every parameter into its view of ``unsharded``, recycle the buffers."""
+    wait_all_gather(ag, pool, shard_buffer)
+    copy_out(ag.gathered, unsharded, layout)
+    pool.give(ag.gathered)
+
+
+def _op(divide_factor: float | None) -> Any:
+    """Average by default; with a factor, multiply every contribution by 1/factor before summing."""
+    if divide_factor is None:
+        return ReduceOp.AVG
+    return _make_nccl_premul_sum(1.0 / divide_factor)
+
+
+def start_reduce_scatter(grads: Sequence[torch.Tensor | None], layout: GroupLayout, dtype: torch.dtype,
+                         pg: ProcessGroup, divide_factor: float | None, pool: BufferPool) -> ReduceScatter | None:
+    """Reduce-scatter the unsharded gradients ``grads`` (None: no gradient) asynchronously.
+
+    Returns None when no parameter has a gradient (then nothing is issued; ranks agree,
+    since every rank ran the same forward and backward).
+    """
+    with_grad = [i for i, g in enumerate(grads) if g is not None]
+    if not with_grad:
+        return None
+    device = next(g for g in grads if g is not None).device
+    source = pool.take(layout.gathered_numel, dtype, device)
+    copy_in_grads(source, grads, layout)
+    output = torch.empty(layout.shard_numel, dtype=dtype, device=device)
+    work = reduce_scatter_tensor(output, source, op=_op(divide_factor), group=pg, async_op=True)
+    return ReduceScatter(work, source, output, with_grad)
+
+
+def finish_reduce_scatter(rs: ReduceScatter, pool: BufferPool) -> torch.Tensor:
+    if rs.work is not None:
+        rs.work.wait()
+        rs.work = None
+    pool.give(rs.source)
+    return rs.output
+
+
+def all_reduce_replicas(output: torch.Tensor, pg: ProcessGroup, divide_factor: float | None) -> None:
+    """HSDP's second step: all-reduce the reduce-scattered shard over the replicate axis."""
+    op = ReduceOp.AVG if divide_factor is None else ReduceOp.SUM
+    all_reduce(output, op=op, group=pg)

@@ -1,0 +1,135 @@
+"""fully_shard's set-up: which parameters a call manages, where they are registered, the first sharding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringlet.dtensor import DTensor, Shard
+from ringlet.parallel.fsdp._mesh_info import MeshInfo
+from ringlet.parallel.fsdp._param import FSDPParam
+from ringlet.parallel.fsdp._param_group import FSDPParamGroup
+from ringlet.parallel.fsdp._shard_math import plan_group, shard_of
+from ringlet.parallel.fsdp.policies import MixedPrecisionPolicy
+
+__all__ = ["build_group", "collect_params", "normalize_reshard_after_forward"]
+
+
+def _managed_below(module: nn.Module) -> set[int]:
+    """ids of parameters already managed by fully_shard calls on submodules of ``module``."""
+    ids: set[int] = set()
+    for m in module.modules():
+        state = getattr(m, "_fsdp_state", None)
+        if m is module or state is None or state.group is None:
+            continue
+        for p in state.group.params:
+            ids.add(id(p.sharded_param))
+            if p.unsharded_param is not None:
+                ids.add(id(p.unsharded_param))
+    return ids
+
+
+def collect_params(module: nn.Module, ignored: set[nn.Parameter]) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]],
+                                                                               list[str]]]:
+    """The parameters this call manages, in ``named_parameters`` order, each with its owners and names.
+
+    A parameter registered on several modules (tied weights) appears once, with every owner.
+    """
+    skip = _managed_below(module) | {id(p) for p in ignored}
+    found: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]] = {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        for name, p in m._parameters.items():
+            if p is None or id(p) in skip:
+                continue
+            fqn = f"{prefix}.{name}" if prefix else name
+            entry = found.setdefault(id(p), (p, [], []))
+            if (m, name) not in [(o, n) for o, n in entry[1]]:
+                entry[1].append((m, name))
+            if fqn not in entry[2]:
+                entry[2].append(fqn)
+    return list(found.values())
+
+
+def _shard_dim(fn: Callable[[nn.Parameter], Any] | None, p: nn.Parameter, fqn: str) -> int:
+    if fn is None:
+        return 0
+    placement = fn(p)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise TypeError(f"fully_shard: shard_placement_fn({fqn}): expected None or a Shard placement, "
+                        f"got {placement!r}")
+    dim = placement.dim
+    return dim + p.dim() if dim < 0 else dim
+
+
+def build_group(module: nn.Module, mesh_info: MeshInfo, mp_policy: MixedPrecisionPolicy,
+                shard_placement_fn: Callable[[nn.Parameter], Any] | None,
+                ignored: set[nn.Parameter]) -> FSDPParamGroup | None:
+    """Shard ``module``'s (remaining) parameters into one group; None if it has none.
+
+    Raises:
+        ValueError: scalar parameters, parameters of different dtypes or devices in one group,
+            or an uneven split on a non-zero shard dim.
+        NotImplementedError: parameters that are already DTensors (e.g. tensor parallel).
+    """
+    entries = collect_params(module, ignored)
+    if not entries:
+        return None
+    name = type(module).__name__
+    for p, _, fqns in entries:
+        if isinstance(p, DTensor):
+            raise NotImplementedError(f"fully_shard({name}): {fqns[0]} is already a DTensor; composing with "
+                                      f"tensor parallelism is not implemented in ringlet's fully_shard")
+        if p.dim() == 0:
+            raise ValueError(f"fully_shard({name}): {fqns[0]}: expected a parameter with at least 1 dim, got a "
+                             f"scalar; make it a 1-d tensor of 1 element")
+    dtypes = {p.dtype for p, _, _ in entries}
+    devices = {p.device.type for p, _, _ in entries}
+    if len(dtypes) > 1 or len(devices) > 1:
+        raise ValueError(f"fully_shard({name}): expected one dtype and one device per group, got dtypes "
+                         f"{sorted(map(str, dtypes))} and devices {sorted(devices)}; call fully_shard on the "
+                         f"submodules that differ first")
+    if devices - {"cpu", "meta"}:
+        raise ValueError(f"fully_shard({name}): expected parameters on 'cpu' or 'meta', got {devices.pop()!r}")
+    dims = [_shard_dim(shard_placement_fn, p, fqns[0]) for p, _, fqns in entries]
+    layout = plan_group([p.shape for p, _, _ in entries], dims, mesh_info.shard_size)
+    p0 = entries[0][0]
+    shard_buffer = torch.zeros(layout.shard_numel, dtype=p0.dtype, device=p0.device)
+    params = []
+    with torch.no_grad():
+        for i, ((p, owners, fqns), spec) in enumerate(zip(entries, layout.specs)):
+            fp = FSDPParam(i, spec, owners, fqns, p.requires_grad, mesh_info)
+            if p.device.type != "meta":
+                fp.local_view(shard_buffer).copy_(shard_of(p.detach(), spec, mesh_info.shard_rank))
+            fp.bind_sharded(shard_buffer)
+            fp.register(fp.sharded_param)
+            params.append(fp)
+    return FSDPParamGroup(module, params, layout, shard_buffer, mesh_info, mp_policy)
+
+
+def normalize_reshard_after_forward(value: Any, shard_size: int, where: str) -> bool | None:
+    """``None``/bool pass through; an int is a post-forward world size: 1 means False, the full size True.
+
+    Raises:
+        TypeError: not None, a bool or an int.
+        ValueError: an int that does not divide the shard world size.
+        NotImplementedError: a proper divisor (resharding onto a smaller mesh after forward).
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise TypeError(f"{where}: reshard_after_forward: expected None, a bool or an int, got {value!r}")
+    if value < 1 or shard_size % value:
+        raise ValueError(f"{where}: reshard_after_forward: expected an int that divides the shard world size "
+                         f"{shard_size}, got {value}")
+    if value == 1:
+        return False
+    if value == shard_size:
+        return True
+    raise NotImplementedError(f"{where}: reshard_after_forward={value}: resharding onto a {value}-rank mesh after "
+                              f"forward is not implemented in ringlet (CPU ranks share one memory tier); "
+                              f"use True (reshard to {shard_size}) or False")

@@ -1,0 +1,75 @@
+"""Which process groups a fully_shard call communicates over, read once from its DeviceMesh.
+
+A 1-d mesh is plain FSDP: parameters are ``Shard(0)`` over its one axis.  A 2-d mesh is HSDP:
+axis 0 replicates, axis 1 shards, placements ``(Replicate(), Shard(0))``; gradients are
+reduce-scattered over the shard axis and then all-reduced over the replicate axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ringlet.c10d.group import ProcessGroup
+from ringlet.dtensor import Replicate, Shard
+from ringlet.mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["MeshInfo", "resolve_mesh"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshInfo:
+    """The groups and ranks of one fully_shard call (kept for the life of its hooks)."""
+
+    mesh: Any                                # the DeviceMesh (1-d or 2-d)
+    shard_group: ProcessGroup
+    shard_rank: int
+    shard_size: int
+    replicate_group: ProcessGroup | None     # HSDP only
+    replicate_size: int
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.replicate_group is not None
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks whose gradients are averaged: shard x replicate."""
+        return self.shard_size * self.replicate_size
+
+    def placements(self, dim: int = 0) -> tuple[Any, ...]:
+        if self.is_hsdp:
+            return (Replicate(), Shard(dim))
+        return (Shard(dim),)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MeshInfo:
+        return self     # process groups are shared resources: a copied model uses the same ones
+
+    def __repr__(self) -> str:
+        kind = f"HSDP {self.replicate_size}x{self.shard_size}" if self.is_hsdp else f"FSDP {self.shard_size}"
+        return f"MeshInfo({kind}, shard rank {self.shard_rank})"
+
+
+def resolve_mesh(mesh: Any) -> MeshInfo:
+    """Build a :class:`MeshInfo` from ``mesh`` (``None``: a 1-d mesh over the default world).
+
+    Raises:
+        TypeError: ``mesh`` is not a DeviceMesh.
+        ValueError: a mesh of more than 2 axes, or a device type other than "cpu".
+    """
+    if mesh is None:
+        from ringlet.c10d.world import get_world_size
+
+        mesh = init_device_mesh("cpu", (get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh: expected a DeviceMesh or None, got {type(mesh).__name__}")
+    if getattr(mesh, "device_type", "cpu") != "cpu":
+        raise ValueError(f"fully_shard: mesh: expected device type 'cpu' (ringlet serves CPU tensors), "
+                         f"got {mesh.device_type!r}")
+    if mesh.ndim == 1:
+        pg = mesh.get_group(0)
+        return MeshInfo(mesh, pg, pg.rank(), pg.size(), None, 1)
+    if mesh.ndim == 2:
+        rep, shard = mesh.get_group(0), mesh.get_group(1)
+        return MeshInfo(mesh, shard, shard.rank(), shard.size(), rep, rep.size())
+    raise ValueError(f"fully_shard: mesh: expected a 1-d (FSDP) or 2-d (HSDP) mesh, got {mesh.ndim} axes")

@@ -1,0 +1,150 @@
+"""One parameter managed by fully_shard: its sharded DTensor, its unsharded view, where it is registered.
+
+Residency (which of the two is registered on the modules) is decided by the param group;
+this file only knows how to build, swap and reconcile one parameter's tensors.
+
+[Note: aliasing]
+The sharded parameter is ``nn.Parameter(DTensor)`` whose local tensor is a *view into the
+group's shard buffer* (the unpadded part of this parameter's slot), so the optimizer's
+in-place updates land where the next all-gather reads them, with no copy-in.  The
+unsharded parameter is an ``nn.Parameter`` view into the group's unsharded buffer; the
+group frees that buffer by resizing its storage to 0 and refills it in place (through an
+alias with its own version counter, ``buffer.data``), so tensors autograd saved in forward
+see valid data again in backward and their version checks still pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from ringlet.dtensor import DTensor
+from ringlet.dtensor._api import make_dtensor
+from ringlet.parallel.fsdp._mesh_info import MeshInfo
+from ringlet.parallel.fsdp._shard_math import ParamSpec, shard_of
+
+__all__ = ["FSDPParam"]
+
+
+class FSDPParam:
+    """One parameter of a group; ``index`` is its position in the group's layout."""
+
+    def __init__(self, index: int, spec: ParamSpec, owners: list[tuple[nn.Module, str]], fqns: list[str],
+                 requires_grad: bool, mesh_info: MeshInfo) -> None:
+        self.index = index
+        self.spec = spec
+        self.owners = owners                    # every (module, attribute) the parameter is registered as
+        self.fqns = fqns                        # names relative to the fully_shard module (state dicts)
+        self.requires_grad = requires_grad
+        self.mesh_info = mesh_info
+        self.sharded_param: nn.Parameter = None  # type: ignore[assignment]  # set by bind_sharded
+        self.unsharded_param: nn.Parameter | None = None
+        # Unsharded gradient kept (in the reduce dtype) while gradient sync is off.
+        self.accumulated_grad: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"FSDPParam({self.fqns[0]}, {list(self.spec.shape)} S({self.spec.dim}))"
+
+    # -- building the tensors ----------------------------------------------------------
+    def local_view(self, shard_buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's unpadded shard as a view into ``shard_buffer`` (any flat buffer of the layout)."""
+        rank = self.mesh_info.shard_rank
+        start = self.spec.shard_offset
+        return shard_buffer[start:start + self.spec.local_numel(rank)].view(self.spec.local_shape(rank))
+
+    def to_dtensor(self, local: torch.Tensor) -> DTensor:
+        spec = self.spec
+        return DTensor.from_local(local, self.mesh_info.mesh, self.mesh_info.placements(spec.dim),
+                                  run_check=False, shape=torch.Size(spec.shape),
+                                  stride=spec.contiguous_stride())
+
+    def grad_dtensor(self, local: torch.Tensor) -> DTensor:
+        """A sharded gradient (hot path: no autograd node, no placement checks)."""
+        spec = self.spec
+        return make_dtensor(local, self.mesh_info.mesh, self.mesh_info.placements(spec.dim), spec.shape,
+                            spec.contiguous_stride())
+
+    def bind_sharded(self, shard_buffer: torch.Tensor) -> None:
+        """(Re)create the sharded parameter as a DTensor over this param's slot of ``shard_buffer``."""
+        self.sharded_param = nn.Parameter(self.to_dtensor(self.local_view(shard_buffer)),
+                                          requires_grad=self.requires_grad)
+
+    def bind_unsharded(self, unsharded_buffer: torch.Tensor) -> None:
+        start = self.spec.unsharded_offset
+        view = unsharded_buffer[start:start + self.spec.numel].view(self.spec.shape)
+        self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
+
+    def register(self, tensor: torch.Tensor) -> None:
+        """Set ``tensor`` as this parameter on every owning module (no nn.Module checks: hot path)."""
+        for module, name in self.owners:
+            module._parameters[name] = tensor  # type: ignore[assignment]
+
+    def registered(self) -> Any:
+        module, name = self.owners[0]
+        return module._parameters.get(name)
+
+    # -- reconciling with what the user did ------------------------------------------------
+    def adopt(self, tensor: torch.Tensor, shard_buffer: torch.Tensor) -> None:
+        """Copy a parameter the user set (a DTensor shard or a full tensor) into our slot and rebind.
+
+        Raises:
+            ValueError: the tensor's global shape differs from the managed parameter's.
+        """
+        local = self.local_view(shard_buffer)
+        if tuple(tensor.shape) != self.spec.shape:
+            raise ValueError(f"fully_shard: {self.fqns[0]}: expected a tensor of shape {list(self.spec.shape)}, "
+                             f"got {list(tensor.shape)}")
+        with torch.no_grad():
+            if isinstance(tensor, DTensor):
+                src = tensor.to_local()
+                if tuple(src.shape) != tuple(local.shape):
+                    raise ValueError(f"fully_shard: {self.fqns[0]}: expected a local shard of shape "
+                                     f"{list(local.shape)} (Shard({self.spec.dim})), got {list(src.shape)}")
+            else:
+                src = shard_of(tensor, self.spec, self.mesh_info.shard_rank)
+            if src.device.type != "meta" and local.device.type != "meta":
+                local.copy_(src)
+        self.requires_grad = bool(tensor.requires_grad) if isinstance(tensor, nn.Parameter) else self.requires_grad
+        self.bind_sharded(shard_buffer)
+
+    # -- gradients -------------------------------------------------------------------------
+    def take_unsharded_grad(self, reduce_dtype: torch.dtype) -> torch.Tensor | None:
+        """The gradient to reduce (autograd's plus any accumulated one), detached from the param."""
+        up = self.unsharded_param
+        grad = up.grad if up is not None else None
+        if up is not None:
+            up.grad = None
+        acc, self.accumulated_grad = self.accumulated_grad, None
+        if acc is None:
+            return grad
+        if grad is not None:
+            acc.add_(grad)
+        return acc
+
+    def stash_unsharded_grad(self, reduce_dtype: torch.dtype) -> None:
+        """Gradient sync is off: keep the gradient unsharded, accumulating in ``reduce_dtype``."""
+        up = self.unsharded_param
+        if up is None or up.grad is None:
+            return
+        if self.accumulated_grad is None and up.grad.dtype == reduce_dtype:
+            return              # autograd keeps accumulating into .grad itself
+        grad = up.grad
+        up.grad = None
+        if self.accumulated_grad is None:
+            self.accumulated_grad = grad.to(reduce_dtype)
+        else:
+            self.accumulated_grad.add_(grad)
+
+    def has_unsharded_grad(self) -> bool:
+        up = self.unsharded_param
+        return (up is not None and up.grad is not None) or self.accumulated_grad is not None
+
+    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
+        """Add this rank's reduced shard ``local_grad`` into the sharded parameter's ``.grad`` DTensor."""
+        p = self.sharded_param
+        if p.grad is None:
+            p.grad = self.grad_dtensor(local_grad)
+        else:
+            cast(DTensor, p.grad).to_local().add_(local_grad)

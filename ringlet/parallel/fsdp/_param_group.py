@@ -1,0 +1,221 @@
+"""One fully_shard call's parameter group: residency, the flat all-gather and the gradient reduction.
+
+The group owns two flat buffers ([Note: flat layouts] in ``_shard_math``): the *shard
+buffer* (this rank's padded shards, in the parameters' own dtype; the sharded DTensors'
+local tensors are views into it, [Note: aliasing] in ``_param``) and the *unsharded buffer*
+(every unsharded parameter, in the compute dtype).  ``unshard`` fills the unsharded buffer
+with one ``all_gather_into_tensor``; ``reshard`` frees it by resizing its storage to 0.
+``post_backward`` reduce-scatters every gradient with one ``reduce_scatter_tensor`` (and, for
+HSDP, one ``all_reduce``) and adds the result into the sharded ``.grad`` DTensors.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import nn
+
+from ringlet.dtensor import DTensor
+from ringlet.parallel.fsdp import _collectives as C
+from ringlet.parallel.fsdp._mesh_info import MeshInfo
+from ringlet.parallel.fsdp._param import FSDPParam
+from ringlet.parallel.fsdp._shard_math import GroupLayout
+from ringlet.parallel.fsdp.policies import MixedPrecisionPolicy
+
+__all__ = ["FSDPParamGroup", "ShardedState"]
+
+
+class ShardedState(enum.Enum):
+    """Which parameters are registered on the modules: the sharded DTensors or the unsharded views."""
+
+    SHARDED = "sharded"
+    UNSHARDED = "unsharded"
+
+
+class FSDPParamGroup:
+    """The parameters of one ``fully_shard(module)`` call and their collectives."""
+
+    def __init__(self, module: nn.Module, params: list[FSDPParam], layout: GroupLayout,
+                 shard_buffer: torch.Tensor, mesh_info: MeshInfo, mp_policy: MixedPrecisionPolicy) -> None:
+        self.module = module
+        self.params = params
+        self.layout = layout
+        self.shard_buffer = shard_buffer          # flat, padded, this rank's shards (orig dtype)
+        self.mesh_info = mesh_info
+        self.mp_policy = mp_policy
+        self.sharded_state = ShardedState.SHARDED
+        self._unsharded: torch.Tensor | None = None        # flat, param-major; storage size 0 when freed
+        self._unsharded_alias: torch.Tensor | None = None  # same storage, own version counter
+        self._pending_unshard: C.AllGather | None = None
+        self._pending_reduce: C.ReduceScatter | None = None
+        self.pool = C.BufferPool()     # replaced by the root's shared pool at lazy init
+        self._partial_reduce: torch.Tensor | None = None   # HSDP: reduce-scattered, not yet all-reduced
+        self._partial_with_grad: set[int] = set()
+        # Controls (FSDPModule setters).
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.unshard_in_backward = True
+        self.divide_factor: float | None = None
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+
+    def __repr__(self) -> str:
+        return (f"FSDPParamGroup({type(self.module).__name__}, {len(self.params)} params, "
+                f"{self.sharded_state.value}, {self.mesh_info!r})")
+
+    # -- dtypes ----------------------------------------------------------------------------
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        return self.shard_buffer.dtype
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.mp_policy.param_dtype or self.orig_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.mp_policy.reduce_dtype or self.param_dtype
+
+    # -- residency -------------------------------------------------------------------------
+    def _transition(self, expected: ShardedState, new: ShardedState, what: str) -> None:
+        if self.sharded_state is not expected:
+            raise AssertionError(f"fully_shard({type(self.module).__name__}): {what}: expected sharded state "
+                                 f"{expected.value}, got {self.sharded_state.value}")
+        self.sharded_state = new
+
+    def unshard(self, async_op: bool = False) -> bool:
+        """All-gather the group (idempotent).  Returns True if an all-gather is now in flight."""
+        if self.sharded_state is ShardedState.UNSHARDED:
+            return False
+        if self._pending_unshard is None:
+            self._sync_registration()
+            if self.shard_buffer.device.type == "meta":
+                raise RuntimeError(f"fully_shard({type(self.module).__name__}): expected materialised parameters, "
+                                   f"got parameters on the meta device; call module.to_empty(device='cpu') "
+                                   f"and initialise them (e.g. reset_parameters()) first")
+            self._pending_unshard = C.start_all_gather(self.shard_buffer, self.param_dtype, self.layout,
+                                                       self.mesh_info.shard_group, async_op, self.pool)
+        if async_op:
+            return True
+        self.wait_for_unshard()
+        return False
+
+    def wait_for_unshard(self) -> None:
+        """Finish a pending all-gather: copy out and register the unsharded parameters."""
+        ag = self._pending_unshard
+        if ag is None:
+            return
+        self._pending_unshard = None
+        unsharded = self._alloc_unsharded()
+        C.finish_all_gather(ag, unsharded, self.layout, self.pool, self.shard_buffer)
+        self._transition(ShardedState.SHARDED, ShardedState.UNSHARDED, "unshard")
+        for p in self.params:
+            p.register(p.unsharded_param)  # type: ignore[arg-type]
+
+    def reshard(self) -> None:
+        """Register the sharded parameters and free the unsharded buffer (idempotent)."""
+        if self._pending_unshard is not None:
+            ag, self._pending_unshard = self._pending_unshard, None
+            C.wait_all_gather(ag, self.pool, self.shard_buffer)   # nobody waited for it: let it finish
+            self.pool.give(ag.gathered)
+        if self.sharded_state is ShardedState.SHARDED:
+            return
+        self._transition(ShardedState.UNSHARDED, ShardedState.SHARDED, "reshard")
+        for p in self.params:
+            p.register(p.sharded_param)
+        if self._unsharded is not None:
+            self._unsharded.untyped_storage().resize_(0)
+
+    def _alloc_unsharded(self) -> torch.Tensor:
+        """The unsharded buffer's writable alias, (re)allocated in place if it was freed."""
+        buf = self._unsharded
+        dtype, device = self.param_dtype, self.shard_buffer.device
+        if buf is None or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(self.layout.unsharded_numel, dtype=dtype, device=device)
+            self._unsharded, self._unsharded_alias = buf, buf.data
+            for p in self.params:
+                p.bind_unsharded(buf)
+        else:
+            nbytes = buf.numel() * buf.element_size()
+            if buf.untyped_storage().nbytes() != nbytes:
+                buf.untyped_storage().resize_(nbytes)
+        return self._unsharded_alias  # type: ignore[return-value]
+
+    def unsharded_bytes(self) -> int:
+        """Bytes of unsharded parameter storage alive now (0 when resharded)."""
+        live = self._unsharded.untyped_storage().nbytes() if self._unsharded is not None else 0
+        if self._pending_unshard is not None:
+            live += self._pending_unshard.gathered.untyped_storage().nbytes()
+        return live
+
+    def _sync_registration(self) -> None:
+        """Adopt parameters the user re-registered (``load_state_dict(assign=True)``, setattr)."""
+        for p in self.params:
+            current = p.registered()
+            if current is not p.sharded_param and current is not None:
+                p.adopt(current, self.shard_buffer)
+                p.register(p.sharded_param)
+
+    # -- gradients -------------------------------------------------------------------------
+    def post_backward(self) -> None:
+        """Reduce this group's gradients (or stash them while sync is off), then maybe reshard."""
+        self.finish_reduce()
+        rd = self.reduce_dtype
+        if not self.requires_gradient_sync:
+            for p in self.params:
+                if p.requires_grad:
+                    p.stash_unsharded_grad(rd)
+        else:
+            grads = [p.take_unsharded_grad(rd) if p.requires_grad else None for p in self.params]
+            self._pending_reduce = C.start_reduce_scatter(grads, self.layout, rd, self.mesh_info.shard_group,
+                                                          self.divide_factor, self.pool)
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def has_unsharded_grads(self) -> bool:
+        return any(p.has_unsharded_grad() for p in self.params)
+
+    def finish_reduce(self) -> None:
+        """Wait for this group's reduce-scatter (and HSDP all-reduce); add the result into ``.grad``."""
+        rs = self._pending_reduce
+        if rs is None:
+            return
+        self._pending_reduce = None
+        out = C.finish_reduce_scatter(rs, self.pool)
+        with_grad = set(rs.with_grad)
+        if self.mesh_info.is_hsdp:
+            if self._partial_reduce is not None:
+                out.add_(self._partial_reduce)
+                with_grad |= self._partial_with_grad
+                self._partial_reduce, self._partial_with_grad = None, set()
+            if not self.requires_all_reduce:
+                self._partial_reduce, self._partial_with_grad = out, with_grad
+                return
+            C.all_reduce_replicas(out, self.mesh_info.replicate_group, self.divide_factor)  # type: ignore[arg-type]
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(out)
+        if out.dtype != self.orig_dtype:
+            out = out.to(self.orig_dtype)
+        with torch.no_grad():
+            for i in sorted(with_grad):
+                p = self.params[i]
+                p.accumulate_sharded_grad(p.local_view(out))
+
+    # -- re-materialisation (module._apply: to_empty, to(dtype), ...) ------------------------
+    def apply_fn(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a tensor conversion to the shard buffer (and grads), then rebuild the parameters."""
+        self.finish_reduce()
+        self.reshard()
+        self._sync_registration()
+        grads = [p.sharded_param.grad for p in self.params]
+        with torch.no_grad():
+            self.shard_buffer = fn(self.shard_buffer)
+        self._unsharded = self._unsharded_alias = None
+        for p, g in zip(self.params, grads):
+            p.bind_sharded(self.shard_buffer)
+            if g is not None:
+                p.sharded_param.grad = p.to_dtensor(fn(cast(DTensor, g).to_local()))
+            p.register(p.sharded_param)

@@ -1,0 +1,232 @@
+"""fully_shard's hooks: when each group is unsharded, resharded and reduced, and the checked states.
+
+[Note: FSDP and autograd]
+- forward pre-hook: unshard the group (finishing a prefetched all-gather), prefetch the next
+  group, cast inputs, and pass the inputs that require grad through ``_PostBackward``.
+- forward hook: reshard (``reshard_after_forward``), cast outputs, and register a tensor hook
+  on every output that requires grad: the *pre-backward* hook.  A tensor hook runs before
+  the output's grad_fn, i.e. before any of the module's backward ops: the group is
+  re-gathered (and the previous group in forward order prefetched) just in time.
+- ``_PostBackward.backward`` runs once the gradients of the module's inputs exist, i.e. when
+  the module's backward is done; the autograd engine runs AccumulateGrad nodes first (they
+  have the highest priority), so every parameter gradient of the group has been accumulated
+  into the unsharded parameters: the group is reduce-scattered and resharded there.
+- A module whose inputs need no grad (the root, taking token ids) never sees that node; the
+  *final callback* (queued on the autograd engine by the first backward hook of a backward)
+  post-backwards every group that still holds unsharded gradients, in a fixed order, waits for
+  every reduction and returns every state to IDLE.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ringlet.parallel.fsdp._param_group import FSDPParamGroup, ShardedState
+from ringlet.parallel.fsdp.policies import MixedPrecisionPolicy
+
+if TYPE_CHECKING:
+    from ringlet.parallel.fsdp._context import IterationContext
+
+__all__ = ["FSDPState", "TrainingState"]
+
+
+class TrainingState(enum.Enum):
+    """Where a fully_shard module is in the training step."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+_T = TrainingState
+# Allowed moves; anything else is a bug (or misuse) reported with both states and the module.
+_TRANSITIONS = {
+    _T.IDLE: {_T.FORWARD, _T.PRE_BACKWARD, _T.POST_BACKWARD},
+    _T.FORWARD: {_T.IDLE},
+    _T.PRE_BACKWARD: {_T.POST_BACKWARD},
+    _T.POST_BACKWARD: {_T.PRE_BACKWARD, _T.POST_BACKWARD},   # a module used twice in one forward
+}
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward marks the end of the module's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.state = state
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+class FSDPState:
+    """The hooks and training state of one ``fully_shard(module)`` call."""
+
+    def __init__(self, module: nn.Module, group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy,
+                 reshard_after_forward: bool | None) -> None:
+        self.module = module
+        self.group = group
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward   # None: True unless this is the root
+        self.training_state = TrainingState.IDLE
+        self.ctx: IterationContext | None = None              # set by the root's lazy init
+        self.is_root = False
+        self.forward_prefetch: list[FSDPState] | None = None  # explicit, else implicit order
+        self.backward_prefetch: list[FSDPState] | None = None
+        self.method_depth = 0                                 # inside a registered forward method
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self._post_forward_hook, prepend=False),
+        ]
+
+    def __repr__(self) -> str:
+        return f"FSDPState({self.name}, {self.training_state.value}, root={self.is_root})"
+
+    @property
+    def name(self) -> str:
+        return type(self.module).__name__
+
+    def context(self) -> IterationContext:
+        if self.ctx is None:
+            raise AssertionError(f"fully_shard({self.name}): expected the root's lazy init to have run, "
+                                 f"got no context")
+        return self.ctx
+
+    def transition(self, new: TrainingState, what: str) -> None:
+        """Move to ``new``; raises AssertionError naming the module and both states if not allowed."""
+        cur = self.training_state
+        if new not in _TRANSITIONS[cur]:
+            allowed = sorted(s.value for s, nxt in _TRANSITIONS.items() if new in nxt)
+            raise AssertionError(f"fully_shard({self.name}): {what}: expected training state in {allowed}, "
+                                 f"got {cur.value} (if an earlier forward or backward raised, call "
+                                 f"reset_iter_state() on the root module)")
+        self.training_state = new
+
+    # -- forward ---------------------------------------------------------------------------
+    def _pre_forward_hook(self, module: nn.Module, args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.method_depth and self.training_state is _T.FORWARD:   # forward() called by e.g. generate()
+            return args, kwargs
+        return self.pre_forward(args, kwargs)
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if self.method_depth and self.training_state is _T.FORWARD:
+            return output
+        return self.post_forward(output)
+
+    def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.ctx is None:
+            from ringlet.parallel.fsdp._context import IterationContext
+
+            IterationContext.lazy_init(self)
+        ctx = self.context()
+        if self.training_state in (_T.PRE_BACKWARD, _T.POST_BACKWARD):   # recomputation in backward
+            self._unshard_now()
+            return args, kwargs
+        if self.is_root:
+            ctx.root_pre_forward()
+        self.transition(_T.FORWARD, "pre-forward")
+        self._unshard_now()
+        ctx.record_forward(self)
+        ctx.prefetch(self, self.forward_prefetch, forward=True)
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast((args, kwargs), self.mp_policy.param_dtype)
+        if torch.is_grad_enabled():
+            args, kwargs = self._wrap_inputs(args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, output: Any) -> Any:
+        if self.training_state in (_T.PRE_BACKWARD, _T.POST_BACKWARD):
+            return output
+        if self.group is not None and self._reshard_after_forward():
+            self.group.reshard()
+        self.context().record_post_forward(self)
+        self.transition(_T.IDLE, "post-forward")
+        if self.mp_policy.output_dtype is not None:
+            output = _cast(output, self.mp_policy.output_dtype)
+        if torch.is_grad_enabled():
+            for t in pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward_hook)
+        return output
+
+    def _reshard_after_forward(self) -> bool:
+        r = self.reshard_after_forward
+        return (not self.is_root) if r is None else bool(r)
+
+    def _wrap_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs
+        wrapped = _PostBackward.apply(self, *[leaves[i] for i in idx])
+        for i, t in zip(idx, wrapped):
+            leaves[i] = t
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _unshard_now(self) -> None:
+        if self.group is not None:
+            self.group.unshard()
+
+    # -- backward --------------------------------------------------------------------------
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self.pre_backward()
+
+    def pre_backward(self) -> None:
+        ctx = self.context()
+        ctx.ensure_final_callback()
+        if self.training_state is _T.PRE_BACKWARD:
+            return
+        self.transition(_T.PRE_BACKWARD, "pre-backward")
+        if self.group is not None and self.group.unshard_in_backward:
+            self.group.unshard()
+        ctx.prefetch(self, self.backward_prefetch, forward=False)
+
+    def post_backward(self) -> None:
+        ctx = self.context()
+        ctx.ensure_final_callback()
+        if self.training_state is _T.POST_BACKWARD and not self._has_work():
+            return
+        if self.training_state is not _T.POST_BACKWARD:
+            self.transition(_T.POST_BACKWARD, "post-backward")
+        if self.group is not None:
+            ctx.finish_reductions()
+            self.group.post_backward()
+            ctx.note_reduction(self.group)
+
+    def _has_work(self) -> bool:
+        g = self.group
+        return g is not None and (g.has_unsharded_grads() or g.sharded_state is ShardedState.UNSHARDED)
+
+    def needs_post_backward(self) -> bool:
+        """Checked by the final callback: did this backward leave work here?"""
+        if self.training_state is _T.PRE_BACKWARD:
+            return True
+        g = self.group   # grads left from no-sync micro-batches are reduced once sync is back on
+        return self.training_state is _T.IDLE and g is not None and g.requires_gradient_sync and \
+            g.has_unsharded_grads()
+
+    def to_idle(self) -> None:
+        """End of backward (or a reset): every state is IDLE again."""
+        self.training_state = _T.IDLE
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _cast(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+            return t.to(dtype)
+        return t
+    return pytree.tree_map(cast, tree)

@@ -1,0 +1,1 @@
+"""``ringlet.utils``: mirrors of torch.utils' distributed parts (``ringlet.utils.data.distributed``)."""
