@@ -4,8 +4,15 @@ Usage::
 
     python bench/collectives.py [--ranks 2]
         [--ops all_reduce,broadcast,all_gather_into_tensor,reduce_scatter_tensor]
-        [--min-bytes 8] [--max-bytes 256M] [--factor 4] [--repeats 5] [--backend shm]
-        [--quick] [--markdown out.md] [--op-timeout 120] [--timeout SECONDS]
+        [--min-bytes 8] [--max-bytes 256M] [--factor 4] [--repeats 5] [--backend shm|tcp|auto]
+        [--hosts 1 [--link-rate 1gbit]] [--quick] [--markdown out.md] [--op-timeout 120] [--timeout SECONDS]
+
+``--backend tcp`` runs ringlet's tcp transport on loopback.  ``--hosts H`` (root, ``ip``) runs
+``--ranks`` ranks on each of ``H`` simulated hosts (network namespaces on a bridge; see
+``bench/_hosts.py``) and times three libraries in the same layout: ringlet ``auto`` (shm within a
+host, tcp between), a flat ringlet ``tcp`` group of the same ranks, and gloo; its tables add
+``gloo/auto`` and ``tcp/auto``.  ``--link-rate 1gbit`` gives every simulated link a finite
+bandwidth (``tc tbf``); unlimited, the "network" is a memory copy on the same cores.
 
 ``--ranks`` processes are started (forkserver, one torch thread each); every one joins a
 ringlet default group (its TCPStore hosted by this process on port 0) and a torch gloo group
@@ -70,10 +77,12 @@ class Config:
     op_timeout: float           # seconds, both libraries' collective timeout
     timeout: float              # seconds, the whole run's backstop
     markdown: str | None = None
+    hosts: int = 1              # > 1: simulated hosts, --ranks per host (bench/_hosts.py)
+    link_rate: str | None = None    # --hosts: tc tbf rate of every host's link, e.g. "1gbit"
 
     def __post_init__(self) -> None:
-        if self.ranks < 2:
-            raise ValueError(f"expected --ranks >= 2, got {self.ranks}")
+        if self.hosts < 1 or self.ranks < (1 if self.hosts > 1 else 2):
+            raise ValueError(f"expected --ranks >= 2 (>= 1 per host with --hosts), got {self.ranks}")
         bad = [op for op in self.ops if op not in OPS]
         if bad or not self.ops:
             raise ValueError(f"expected --ops from {','.join(OPS)}, got {','.join(self.ops)!r}")
@@ -84,6 +93,14 @@ class Config:
         if self.op_timeout <= 0 or self.timeout <= 0:
             raise ValueError(f"expected positive timeouts, got {self.op_timeout}, {self.timeout}")
 
+    @property
+    def libs(self) -> tuple[str, ...]:
+        return ("auto", "tcp", "gloo") if self.hosts > 1 else LIBS
+
+    @property
+    def world(self) -> int:
+        return self.ranks * self.hosts
+
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -93,7 +110,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--max-bytes", type=common.parse_size, default=256 * common.MIB)
     p.add_argument("--factor", type=int, default=4, help="size step (default 4x)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--backend", default="shm", help="ringlet backend (default shm)")
+    p.add_argument("--backend", default="shm", help="ringlet backend: shm (default), tcp, auto")
+    p.add_argument("--hosts", type=int, default=1,
+                   help="simulated hosts (network namespaces; root): --ranks per host, auto vs tcp vs gloo")
+    p.add_argument("--link-rate", default=None, metavar="RATE",
+                   help="with --hosts: limit every host's link (tc tbf), e.g. 1gbit (default: unlimited)")
     p.add_argument("--quick", action="store_true", help="only 8 B, 4 KiB, 64 KiB, 1 MiB, 16 MiB")
     p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
     p.add_argument("--op-timeout", type=float, default=120.0, help="collective timeout, s")
@@ -108,8 +129,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         ops = tuple(o.strip() for o in a.ops.split(",") if o.strip())
         timeout = 120.0 + 60.0 * len(ops) * len(sizes) if a.timeout is None else a.timeout
         return Config(ranks=a.ranks, ops=ops, sizes=tuple(sizes), repeats=a.repeats,
-                      backend=a.backend, op_timeout=a.op_timeout, timeout=timeout,
-                      markdown=a.markdown)
+                      backend="auto" if a.hosts > 1 else a.backend, op_timeout=a.op_timeout,
+                      timeout=timeout, markdown=a.markdown, hosts=a.hosts, link_rate=a.link_rate)
     except ValueError as e:
         p.error(str(e))
         raise  # unreachable: p.error exits
@@ -122,10 +143,13 @@ def _rank_main(rank: int, n: int, cfg: Config, gloo_init: str) -> list[dict[str,
     """Body of each rank (ringlet's default group is already up): every op, every size."""
     import torch.distributed as tdist
 
+    import ringlet.distributed as rdist
+
     tdist.init_process_group("gloo", init_method=gloo_init, rank=rank, world_size=n,
                              timeout=timedelta(seconds=cfg.op_timeout))
+    libs = {"ringlet": rdist, "gloo": tdist}
     try:
-        return [_bench_size(cfg, op, size, rank, n) for op in cfg.ops for size in cfg.sizes]
+        return [bench_size(cfg, op, size, rank, n, libs) for op in cfg.ops for size in cfg.sizes]
     finally:
         tdist.destroy_process_group()
 
@@ -174,73 +198,82 @@ def _agree_iters(lib: Any, call: Callable[[], Any], size: int) -> int:
     return common.iters_for(est.item(), TARGET_S)
 
 
-def _bench_size(cfg: Config, op: str, size: int, rank: int, n: int) -> dict[str, Any]:
+def bench_size(cfg: Config, op: str, size: int, rank: int, n: int,
+               libs: dict[str, Any]) -> dict[str, Any]:
+    """Time ``op`` at ``size`` on every library of ``libs`` (name -> module with torch's API)."""
     import torch.distributed as tdist
 
-    import ringlet.distributed as rdist
-
     big, small = _buffers(op, size, n)
-    calls = {"ringlet": (rdist, _make_call(rdist, op, big, small)),
-             "gloo": (tdist, _make_call(tdist, op, big, small))}
+    names = list(cfg.libs)
+    calls = {name: (libs[name], _make_call(libs[name], op, big, small)) for name in names}
     iters = {name: _agree_iters(lib, call, size) for name, (lib, call) in calls.items()}
-    samples: dict[str, list[float]] = {name: [] for name in LIBS}
+    samples: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(cfg.repeats):
-        for name in LIBS if rep % 2 == 0 else LIBS[::-1]:
+        for name in names if rep % 2 == 0 else names[::-1]:
             lib, call = calls[name]
             samples[name].append(_time_calls(lib, call, iters[name]))
-    worst = torch.tensor([samples[name] for name in LIBS], dtype=torch.float64)
+    worst = torch.tensor([samples[name] for name in names], dtype=torch.float64)
     tdist.all_reduce(worst, op=tdist.ReduceOp.MAX)   # each repeat: the slowest rank
     result = {"op": op, "bytes": big.numel() * big.element_size(), "iters": iters,
-              "samples": {name: worst[i].tolist() for i, name in enumerate(LIBS)}}
-    result["seconds"] = {name: common.median(result["samples"][name]) for name in LIBS}
+              "samples": {name: worst[i].tolist() for i, name in enumerate(names)}}
+    result["seconds"] = {name: common.median(result["samples"][name]) for name in names}
     if rank == 0:
         _progress(result)
     return result
 
 
 def _progress(r: dict[str, Any]) -> None:
-    s = r["seconds"]
-    print(f"  {r['op']:<23} {common.format_size(r['bytes']):>9}  ringlet {s['ringlet'] * 1e6:10.1f} us"
-          f"  gloo {s['gloo'] * 1e6:10.1f} us", file=sys.stderr, flush=True)
+    times = "  ".join(f"{name} {sec * 1e6:10.1f} us" for name, sec in r["seconds"].items())
+    print(f"  {r['op']:<23} {common.format_size(r['bytes']):>9}  {times}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- report
 
 
 def _headers(cfg: Config) -> list[str]:
+    if cfg.hosts > 1:
+        return ["size", "auto us", "tcp us", "gloo us", "auto busbw GB/s", "tcp busbw GB/s",
+                "gloo busbw GB/s", "gloo/auto", "tcp/auto"]
     rl = f"ringlet[{cfg.backend}]"
     return ["size", f"{rl} us", "gloo us", f"{rl} busbw GB/s", "gloo busbw GB/s",
             "gloo/ringlet"]
 
 
-def _row(r: dict[str, Any], n: int) -> list[str]:
-    rs, gs = r["seconds"]["ringlet"], r["seconds"]["gloo"]
+def _row(r: dict[str, Any], n: int, libs: tuple[str, ...] = LIBS) -> list[str]:
+    secs = [r["seconds"][name] for name in libs]
     factor = bus_factor(r["op"], n)
-    return [common.format_size(r["bytes"]), f"{rs * 1e6:.1f}", f"{gs * 1e6:.1f}",
-            f"{r['bytes'] / rs * factor / 1e9:.3f}", f"{r['bytes'] / gs * factor / 1e9:.3f}",
-            f"{gs / rs:.2f}x"]
+    ratios = [f"{r['seconds']['gloo'] / secs[0]:.2f}x"]
+    if len(libs) > 2:   # auto, tcp, gloo: also tcp/auto
+        ratios.append(f"{r['seconds']['tcp'] / secs[0]:.2f}x")
+    return ([common.format_size(r["bytes"])] + [f"{t * 1e6:.1f}" for t in secs]
+            + [f"{r['bytes'] / t * factor / 1e9:.3f}" for t in secs] + ratios)
 
 
-def _summary(op: str, rows: list[dict[str, Any]]) -> str:
+def _summary(op: str, rows: list[dict[str, Any]], libs: tuple[str, ...] = LIBS) -> str:
     big = [r for r in rows if r["bytes"] >= SUMMARY_MIN_BYTES]
     floor = common.format_size(SUMMARY_MIN_BYTES)
     if not big:
         return f"{op}: no sizes >= {floor} measured"
-    worst = min(big, key=lambda r: r["seconds"]["gloo"] / r["seconds"]["ringlet"])
-    ratio = worst["seconds"]["gloo"] / worst["seconds"]["ringlet"]
-    return (f"{op}: min gloo/ringlet over sizes >= {floor}: {ratio:.2f}x "
-            f"(at {common.format_size(worst['bytes'])})")
+    mine = libs[0]
+    parts = []
+    for other in [lib for lib in libs[1:] if lib == "gloo"] + [lib for lib in libs[1:-1]]:
+        worst = min(big, key=lambda r: r["seconds"][other] / r["seconds"][mine])
+        ratio = worst["seconds"][other] / worst["seconds"][mine]
+        parts.append(f"min {other}/{mine} over sizes >= {floor}: {ratio:.2f}x "
+                     f"(at {common.format_size(worst['bytes'])})")
+    return f"{op}: " + "; ".join(parts)
 
 
 def render(cfg: Config, results: list[dict[str, Any]], markdown: bool) -> str:
     """Every op's table and its summary line, as plain text or Markdown."""
     table = common.markdown_table if markdown else common.text_table
+    shape = f"{cfg.hosts} hosts x {cfg.ranks} ranks" if cfg.hosts > 1 else f"{cfg.ranks} ranks"
     parts = []
     for op in cfg.ops:
         rows = [r for r in results if r["op"] == op]
-        title = f"### {op}" if markdown else f"== {op} ({cfg.ranks} ranks, float32) =="
-        summary = _summary(op, rows)
-        parts += [title, "", table(_headers(cfg), [_row(r, cfg.ranks) for r in rows]), "",
+        title = f"### {op}" if markdown else f"== {op} ({shape}, float32) =="
+        summary = _summary(op, rows, cfg.libs)
+        parts += [title, "", table(_headers(cfg), [_row(r, cfg.world, cfg.libs) for r in rows]), "",
                   f"**Summary:** {summary}" if markdown else f"summary: {summary}", ""]
     return "\n".join(parts)
 
@@ -252,6 +285,12 @@ def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
              (f"setup: {cfg.ranks} ranks, ringlet backend {cfg.backend} vs gloo, float32, "
               f"{cfg.repeats} repeats, ~{TARGET_S} s per repeat; latency = median over repeats "
               f"of the slowest rank's mean time per call")]
+    if cfg.hosts > 1:
+        link = f"links limited to {cfg.link_rate} (tc tbf)" if cfg.link_rate else "links unlimited"
+        lines[-1] = (f"setup: {cfg.hosts} simulated hosts (network namespaces, veth + bridge; {link}) x {cfg.ranks} "
+                     f"ranks; ringlet auto (shm within a host + tcp between) vs a flat ringlet tcp group vs "
+                     f"gloo, float32, {cfg.repeats} repeats, ~{TARGET_S} s per repeat; latency = median "
+                     "over repeats of the slowest rank's mean time per call")
     if not markdown:
         return "\n".join(lines) + "\n"
     lines[0] = f"command: `{common.command_line()}`"
@@ -269,9 +308,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(preamble(cfg, info, markdown=False), flush=True)
     with tempfile.TemporaryDirectory(prefix="ringlet-bench-") as tmp:
         try:
-            values = common.run_ranks(cfg.ranks, _rank_main, cfg, f"file://{tmp}/gloo-store",
-                                      backend=cfg.backend, timeout=cfg.timeout,
-                                      op_timeout=cfg.op_timeout, env=_child_env())
+            if cfg.hosts > 1:
+                import _hosts
+
+                values = [_hosts.run_hosts(cfg)]
+            else:
+                values = common.run_ranks(cfg.ranks, _rank_main, cfg, f"file://{tmp}/gloo-store",
+                                          backend=cfg.backend, timeout=cfg.timeout,
+                                          op_timeout=cfg.op_timeout, env=_child_env())
         except RuntimeError as e:
             print(f"benchmark failed: {e}", file=sys.stderr)
             return 1

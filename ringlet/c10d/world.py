@@ -151,22 +151,46 @@ def _timeout_seconds(timeout: timedelta | float | None) -> float:
 
 
 def _parse_backend(backend: str | None) -> str:
-    name = (backend or "auto").lower()
-    if ":" in name:   # "cpu:gloo,cuda:nccl": the cpu entry decides on a CPU-only runtime
-        parts = dict(p.split(":", 1) for p in name.split(",") if ":" in p)
-        name = parts.get("cpu", "auto")
+    """Canonical backend name: ``auto``, ``shm``, ``tcp``, ``inproc``, or a torch engine
+    (``torch:gloo``, ``torch:nccl``, ``torch:gloo,nccl`` for CPU and CUDA tensors).
+
+    torch's ``gloo`` (and ``cpu:gloo,cuda:nccl``) map to ringlet's own transports (``auto``), so a
+    script moved by text substitution runs on them; ``torch:gloo`` selects torch's own engine.
+    Per-device strings (``cpu:torch:gloo,cuda:torch:nccl``) give each device type its backend;
+    ringlet's transports serve CPU tensors, so the ``cpu`` entry decides unless both are torch's.
+    """
+    ours = ("auto", "shm", "tcp", "inproc")
+    name = (backend or "auto").strip().lower()
+    if "," in name or name.split(":", 1)[0] in ("cpu", "cuda"):
+        parts: dict[str, str] = {}
+        for part in name.split(","):
+            dev, sep, val = part.strip().partition(":")
+            if not sep or dev not in ("cpu", "cuda") or not val:
+                raise ValueError(f"init_process_group: backend: expected 'device:backend' entries such as "
+                                 f"'cpu:torch:gloo,cuda:torch:nccl', got {backend!r}")
+            parts[dev] = val
+        cpu, cuda = parts.get("cpu", "auto"), parts.get("cuda")
+        if cpu == "torch:gloo" and cuda == "torch:nccl":
+            return "torch:gloo,nccl"
+        if cpu == "nccl" or cpu == "torch:nccl":
+            raise ValueError(f"init_process_group: backend: nccl serves CUDA tensors, not 'cpu' ({backend!r})")
+        name = cpu
     if name in ("gloo", "mpi", "undefined"):
         return "auto"   # ringlet's own transports serve CPU tensors (see docs/usage.md)
     if name == "nccl":
-        raise ValueError("init_process_group: backend 'nccl' needs CUDA tensors and the torch-engine "
-                         "adapter; this runtime serves CPU tensors (use 'auto', 'shm' or 'gloo')")
-    if name not in _BACKENDS:
-        raise ValueError(f"init_process_group: backend: expected one of {_BACKENDS + ('gloo',)}, got {backend!r}")
+        raise ValueError("init_process_group: backend 'nccl': ringlet's transports serve CPU tensors; "
+                         "'torch:nccl' selects torch's NCCL engine through the adapter (CUDA needed), "
+                         "'auto' or 'gloo' ringlet's own")
+    if name in ("torch:gloo", "torch:nccl"):
+        return name
+    if name not in ours:
+        raise ValueError(f"init_process_group: backend: expected one of {ours + ('gloo', 'torch:gloo', 'torch:nccl')} "
+                         f"or a per-device string like 'cpu:torch:gloo,cuda:torch:nccl', got {backend!r}")
     return name
 
 
 def init_process_group(backend: str | None = None, init_method: str | None = None,
-                       timeout: timedelta | None = None, world_size: int = -1, rank: int = -1,
+                       timeout: timedelta | float | None = None, world_size: int = -1, rank: int = -1,
                        store: Any = None, group_name: str = "", pg_options: Any = None,
                        device_id: Any = None) -> None:
     """Join the default process group (torch's signature).
@@ -228,22 +252,40 @@ def _attach_debug(w: _World, pg: ProcessGroup) -> ProcessGroup:
 
 def _make_group(w: _World, ranks: list[int], gid: str, backend: str, timeout: float,
                 desc: str) -> ProcessGroup:
+    """Build the transport of a group: ``auto`` is shm on one host, tcp when every rank has a host
+    of its own, and shm within each host + tcp among hosts (``shm+tcp``) otherwise."""
     from ringlet.store import PrefixStore
 
     me = ranks.index(w.rank)
     gstore = PrefixStore(f"pg/{gid}", w.store)
+    hosts = [w.hosts[r] for r in ranks]
     resolved = backend
     if backend == "auto":
-        hosts = {w.hosts[r] for r in ranks}
-        if len(hosts) > 1:
-            raise DistBackendError(f"group {desc}: ranks {ranks} span {len(hosts)} hosts; the tcp transport "
-                                   "is not available in this version (one host only)")
-        resolved = "shm"
+        distinct = len(set(hosts))
+        resolved = "shm" if distinct == 1 else "tcp" if distinct == len(ranks) else "shm+tcp"
+    transport: Any
     if resolved == "shm":
-        from ringlet.transport.shm import ShmTransport as T
+        from ringlet.transport.shm import ShmTransport
+
+        transport = ShmTransport.create(gstore, me, len(ranks), timeout, desc)
+    elif resolved == "inproc":
+        from ringlet.transport.inproc import InprocTransport
+
+        transport = InprocTransport.create(gstore, me, len(ranks), timeout, desc)
+    elif resolved == "tcp":
+        from ringlet.transport.tcp import TcpTransport
+
+        transport = TcpTransport.create(gstore, me, len(ranks), timeout, desc, host_keys=hosts)
+    elif resolved == "shm+tcp":
+        from ringlet.transport.hierarchical import HierarchicalTransport
+
+        transport = HierarchicalTransport.create(gstore, me, hosts, timeout, desc)
+    elif resolved.startswith("torch:"):
+        from ringlet.transport.torch_engine import TorchEngineTransport
+
+        transport = TorchEngineTransport.create(gstore, me, len(ranks), timeout, desc, resolved)
     else:
-        from ringlet.transport.inproc import InprocTransport as T  # type: ignore[assignment]
-    transport = T.create(gstore, me, len(ranks), timeout, desc)
+        raise DistBackendError(f"group {desc}: expected a known transport, got {resolved!r}")
     pg = ProcessGroup(gid, ranks, me, transport, timeout, resolved, desc)
     w.groups.append(pg)
     return pg

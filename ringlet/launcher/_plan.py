@@ -13,6 +13,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ringlet import _env
+from ringlet.launcher._schedulers import KINDS, detect
+
 __all__ = [
     "LaunchConfig",
     "build_parser",
@@ -45,6 +48,11 @@ class LaunchConfig:
     grace_period: float = 5.0  # seconds between SIGTERM and SIGKILL at teardown
     module: bool = False
     no_python: bool = False
+    token_file: str | None = None  # --rdzv-token-file: the run token shared by every node
+    rdzv_timeout: float = 300.0  # seconds for every node to reach node 0 (and for node 0 to answer)
+    local_rank_base: int = 0  # LOCAL_RANK of local worker 0 (one-task-per-rank schedulers)
+    local_world_size: int = 0  # LOCAL_WORLD_SIZE; 0 means nproc_per_node
+    scheduler: str | None = None  # where --from-env found the job's shape, for messages
 
     def __post_init__(self) -> None:
         _check(bool(self.entrypoint), "a training script, module or command", repr(self.entrypoint))
@@ -70,6 +78,7 @@ class LaunchConfig:
             "--nnodes 1 with --standalone",
             self.nnodes,
         )
+        _check(self.rdzv_timeout > 0, "--rdzv-timeout > 0", self.rdzv_timeout)
 
     @property
     def world_size(self) -> int:
@@ -77,6 +86,19 @@ class LaunchConfig:
 
     def global_rank(self, local_rank: int) -> int:
         return self.node_rank * self.nproc_per_node + local_rank
+
+    def check_reachable(self) -> None:
+        """A node other than 0 must know node 0's port (node 0 alone may pick one: port 0)."""
+        _check(
+            self.node_rank == 0 or self.master_port != 0,
+            f"--master-port (the port of node 0's store) for node rank {self.node_rank}",
+            self.master_port,
+        )
+
+    @property
+    def local_size(self) -> int:
+        """Workers of this host (LOCAL_WORLD_SIZE); more than nproc_per_node under --from-env."""
+        return self.local_world_size or self.nproc_per_node
 
 
 def _check(ok: bool, expected: str, got: object) -> None:
@@ -139,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, allow_abbrev=False, description="Launch local worker processes.")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=parse_nproc, default=1,
                    metavar="N", help="workers on this node: an integer, 'cpu' or 'auto'")
-    p.add_argument("--nnodes", type=_nnodes, default=1, help="number of nodes (only 1 for now)")
-    p.add_argument("--node-rank", "--node_rank", type=_int, default=0)
+    p.add_argument("--nnodes", type=_nnodes, default=None, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", "--node_rank", type=_int, default=None, help="this node's rank (default 0)")
     p.add_argument("--master-addr", "--master_addr", default=None,
                    help="address the rendezvous store binds (default 127.0.0.1)")
     p.add_argument("--master-port", "--master_port", type=_int, default=None,
@@ -153,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run id given to workers as TORCHELASTIC_RUN_ID (default: random)")
     p.add_argument("--standalone", action="store_true",
                    help="single node, store on 127.0.0.1 at a free port")
+    p.add_argument("--rdzv-token-file", "--rdzv_token_file", default=None, metavar="PATH",
+                   help="file (mode 0600) holding the run token, the same on every node")
+    p.add_argument("--rdzv-timeout", "--rdzv_timeout", type=_seconds, default=None,
+                   help="seconds for all nodes to reach node 0 (default RINGLET_TIMEOUT or 300)")
+    p.add_argument("--from-env", "--from_env", choices=KINDS, default=None,
+                   help="take nnodes/node rank/master address from Slurm (srun) or MPI (mpirun)")
     p.add_argument("--max-restarts", "--max_restarts", type=_int, default=0)
     p.add_argument("--monitor-interval", "--monitor_interval", type=_seconds, default=0.1)
     p.add_argument("--grace-period", "--grace_period", type=_seconds, default=5.0,
@@ -176,13 +204,15 @@ def _endpoint(text: str) -> tuple[str, int | None]:
         raise ValueError(f"expected --rdzv-endpoint HOST[:PORT], got {text!r}") from None
 
 
-def parse_args(argv: Sequence[str]) -> LaunchConfig:
+def parse_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> LaunchConfig:
     """Parse a ``ringlet-run`` command line (without the program name).
 
-    Raises ``ValueError`` worded "expected …, got …" for bad values, and argparse's
-    wording for unknown flags or a missing script.
+    ``env`` (default ``os.environ``) is read only with ``--from-env`` and for ``MASTER_ADDR``/
+    ``MASTER_PORT`` fallbacks in that mode.  Raises ``ValueError`` worded "expected …, got …"
+    for bad values, and argparse's wording for unknown flags or a missing script.
     """
     ns = build_parser().parse_args(list(argv))
+    env = os.environ if env is None else env
     addr, port = ns.master_addr, ns.master_port
     if ns.rdzv_endpoint:
         ep_host, ep_port = _endpoint(ns.rdzv_endpoint)
@@ -190,12 +220,27 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
         port = port if port is not None else ep_port
     if ns.standalone:
         addr, port = "127.0.0.1", 0
-    return LaunchConfig(
+    sched: dict[str, object] = {}
+    if ns.from_env:
+        if ns.nnodes is not None or ns.node_rank is not None:
+            raise ValueError(f"expected no --nnodes/--node-rank with --from-env (the scheduler gives them), "
+                             f"got --nnodes {ns.nnodes} --node-rank {ns.node_rank}")
+        place = detect(ns.from_env, env, ns.nproc_per_node)
+        addr = addr or place.master_addr or env.get("MASTER_ADDR")
+        if port is None:
+            port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else place.master_port
+        if not addr or port is None:
+            raise ValueError(f"expected --master-addr and --master-port (or MASTER_ADDR/MASTER_PORT) for "
+                             f"--from-env {ns.from_env} ({place.source}), got {addr!r} and {port!r}")
+        sched = {"nnodes": place.nnodes, "node_rank": place.node_rank,
+                 "local_rank_base": place.local_rank_base, "local_world_size": place.local_world_size,
+                 "scheduler": place.source, "nproc_per_node": place.nproc_per_node}
+    cfg: dict[str, object] = {
+        "nnodes": ns.nnodes or 1, "node_rank": ns.node_rank or 0, "nproc_per_node": ns.nproc_per_node}
+    cfg.update(sched)
+    config = LaunchConfig(
         entrypoint=ns.training_script,
         args=tuple(ns.training_script_args),
-        nproc_per_node=ns.nproc_per_node,
-        nnodes=ns.nnodes,
-        node_rank=ns.node_rank,
         master_addr=addr or "127.0.0.1",
         master_port=port if port is not None else 0,
         standalone=ns.standalone,
@@ -205,7 +250,12 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
         grace_period=ns.grace_period,
         module=ns.module,
         no_python=ns.no_python,
+        token_file=ns.rdzv_token_file,
+        rdzv_timeout=ns.rdzv_timeout if ns.rdzv_timeout is not None else _env.timeout_seconds(),
+        **cfg,  # type: ignore[arg-type]
     )
+    config.check_reachable()
+    return config
 
 
 def error_file(run_dir: str, restart_count: int, rank: int) -> str:
@@ -244,13 +294,14 @@ def worker_env(
         )
     rank = config.global_rank(local_rank)
     env = dict(os.environ if base_env is None else base_env)
-    if "OMP_NUM_THREADS" not in env and config.nproc_per_node > 1:
+    if "OMP_NUM_THREADS" not in env and config.local_size > 1:
         env["OMP_NUM_THREADS"] = "1"
+    env.pop("RINGLET_STORE_TOKEN", None)  # workers read the token from their 0600 file only
     env.update({
         "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
+        "LOCAL_RANK": str(config.local_rank_base + local_rank),
         "WORLD_SIZE": str(config.world_size),
-        "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+        "LOCAL_WORLD_SIZE": str(config.local_size),
         "GROUP_RANK": str(config.node_rank),
         "GROUP_WORLD_SIZE": str(config.nnodes),
         "ROLE_RANK": str(rank),

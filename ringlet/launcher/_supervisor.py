@@ -72,7 +72,7 @@ class WorkerFailure:
 
 @dataclass(frozen=True)
 class GenerationResult:
-    state: Literal["succeeded", "failed", "interrupted"]
+    state: Literal["succeeded", "failed", "interrupted", "stopped"]  # stopped: failed on another node
     failures: tuple[WorkerFailure, ...] = ()  # earliest first
     signum: int | None = None  # the signal that interrupted the launcher
 
@@ -164,13 +164,17 @@ class Generation:
                 worker.readers.append(t)
 
     def watch(
-        self, interval: float, interrupted: Callable[[], int | None]
+        self, interval: float, interrupted: Callable[[], int | None],
+        elsewhere: Callable[[], bool] | None = None,
     ) -> GenerationResult:
-        """Poll every ``interval`` s until all workers succeed, one fails, or a signal arrives."""
+        """Poll every ``interval`` s until all workers succeed, one fails, a signal arrives, or
+        ``elsewhere()`` says the job failed on another node (multi-node runs)."""
         while True:
             signum = interrupted()
             if signum is not None:
                 return GenerationResult("interrupted", signum=signum)
+            if elsewhere is not None and elsewhere():
+                return GenerationResult("stopped")
             codes = [w.popen.poll() for w in self.workers]
             failed = [w for w, rc in zip(self.workers, codes, strict=True) if rc not in (None, 0)]
             if failed:

@@ -38,22 +38,22 @@ fails (non-zero exit or a signal), the others get SIGTERM, then SIGKILL after
 ``--grace-period`` seconds; with restarts left a new generation starts, otherwise the
 launcher prints a summary of the first failure (rank, pid, exit code or signal, time,
 traceback) and exits 1. SIGINT/SIGTERM to the launcher stop the workers the same way and
-the launcher exits 128 + signal number. Only one node (``--nnodes 1``) is supported yet.
+the launcher exits 128 + signal number.
+
+Several nodes (``--nnodes N --node-rank R --master-addr A --master-port P``, or ``--from-env``
+under srun/mpirun): see ``_multinode`` ([Note: node rendezvous] in ``_nodes``) and
+[Note: run tokens] in ``_runtime``.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import signal
 import sys
-import tempfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from types import FrameType
 
 from ringlet import _env
 from ringlet.errors import DistError
@@ -66,52 +66,11 @@ from ringlet.launcher._plan import (
     worker_command,
     worker_env,
 )
+from ringlet.launcher._runtime import Signals, run_dir, say
 from ringlet.launcher._supervisor import Generation, GenerationResult, WorkerFailure
 from ringlet.store import TCPStore
 
 __all__ = ["main", "run"]
-
-
-def _say(message: str) -> None:
-    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
-
-
-class _Signals:
-    """SIGINT/SIGTERM/SIGHUP to the launcher, remembered (first one wins) until checked."""
-
-    HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-
-    def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is None:
-            self.received = signum
-
-    @contextmanager
-    def installed(self) -> Iterator[_Signals]:
-        previous = {s: signal.signal(s, self._handler) for s in self.HANDLED}
-        try:
-            yield self
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-
-
-@contextmanager
-def _run_dir() -> Iterator[tuple[str, str, bytes]]:
-    """A private run directory holding a 0600 token file; removed on exit."""
-    path = tempfile.mkdtemp(prefix="ringlet-run-")  # mode 0700
-    try:
-        # Hex, not raw bytes: readers strip whitespace from the file (_env.store_token).
-        token = secrets.token_hex(32).encode()
-        token_file = os.path.join(path, "store_token")
-        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(token)
-        yield path, token_file, token
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _format_time(stamp: float) -> str:
@@ -138,7 +97,7 @@ def failure_summary(first: WorkerFailure, others: Sequence[WorkerFailure], attem
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Run:
+class Run:
     """What every generation of one launch shares."""
 
     config: LaunchConfig
@@ -146,10 +105,12 @@ class _Run:
     run_dir: str
     token_file: str
     port: int  # the port the store bound
-    signals: _Signals
+    signals: Signals
 
 
-def _run_generation(run: _Run, restart: int) -> GenerationResult:
+def run_generation(run: Run, restart: int,
+                   elsewhere: Callable[[], bool] | None = None) -> GenerationResult:
+    """Start this node's workers of generation ``restart``, watch them, always stop them."""
     config = run.config
     envs = [
         worker_env(config, lr, restart, run.port, run_id=run.run_id, run_dir=run.run_dir,
@@ -164,23 +125,23 @@ def _run_generation(run: _Run, restart: int) -> GenerationResult:
     )
     try:
         generation.start()
-        return generation.watch(config.monitor_interval, lambda: run.signals.received)
+        return generation.watch(config.monitor_interval, lambda: run.signals.received, elsewhere)
     finally:
         generation.stop(config.grace_period)
 
 
-def _supervise(run: _Run) -> int:
+def _supervise(run: Run) -> int:
     config, signals = run.config, run.signals
     for restart in range(config.max_restarts + 1):
-        result = _run_generation(run, restart)
+        result = run_generation(run, restart)
         if signals.received is not None:
-            _say(f"stopped workers on {signal.Signals(signals.received).name}")
+            say(f"stopped workers on {signal.Signals(signals.received).name}")
             return 128 + signals.received
         if result.state == "succeeded":
             return 0
         first, *others = result.failures
         if restart < config.max_restarts:
-            _say(f"rank {first.rank} (pid {first.pid}) failed with {first.reason}; "
+            say(f"rank {first.rank} (pid {first.pid}) failed with {first.reason}; "
                  f"restarting workers ({restart + 1}/{config.max_restarts})")
             continue
         print(failure_summary(first, others, restart + 1, run.run_id), file=sys.stderr,
@@ -190,25 +151,25 @@ def _supervise(run: _Run) -> int:
 
 def run(config: LaunchConfig) -> int:
     """Launch ``config`` on this node and supervise it; returns the launcher's exit code."""
+    if config.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        say("setting OMP_NUM_THREADS=1 for each worker to avoid overloading the CPUs; "
+            "set it yourself to tune")
     if config.nnodes > 1:
-        _say(f"multi-node launch not implemented yet (got --nnodes {config.nnodes}); "
-             "use --nnodes 1")
-        return 2
-    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-        _say("setting OMP_NUM_THREADS=1 for each worker to avoid overloading the CPUs; "
-             "set it yourself to tune")
+        from ringlet.launcher._multinode import run_nodes
+
+        return run_nodes(config)
     run_id = config.rdzv_id or secrets.token_hex(6)
-    with _Signals().installed() as signals, _run_dir() as (run_dir, token_file, token):
+    with Signals().installed() as signals, run_dir(None) as (rdir, token_file, token):
         try:
             store = TCPStore(config.master_addr, config.master_port, world_size=None,
                              is_master=True, timeout=_env.default_timeout(),
                              wait_for_workers=False, token=token)
         except (OSError, DistError) as err:
-            _say(f"could not host the store on {config.master_addr}:{config.master_port}: {err}")
+            say(f"could not host the store on {config.master_addr}:{config.master_port}: {err}")
             return 1
         try:
-            return _supervise(_Run(config=config, run_id=run_id, run_dir=run_dir,
-                                   token_file=token_file, port=store.port, signals=signals))
+            return _supervise(Run(config=config, run_id=run_id, run_dir=rdir,
+                                  token_file=token_file, port=store.port, signals=signals))
         finally:
             store.close()
 
@@ -220,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = parse_args(args)
     except ValueError as err:
         build_parser().print_usage(sys.stderr)
-        _say(f"error: {err}")
+        say(f"error: {err}")
         sys.exit(2)
     sys.exit(run(config))
 

@@ -34,6 +34,11 @@ __all__ = ["Peer", "build_mesh"]
 log = logging.getLogger("ringlet")
 
 HANDSHAKE_S = 5.0     # an accepted connection must finish its handshake within this (anti-slowloris)
+# A send buffer that holds a whole pipelining chunk or more lets a rank hand its next chunks to the
+# kernel while its peer is busy reducing, instead of waiting for autotuning to grow from 16 KiB
+# (measured on loopback here: 1 MiB all_reduce 1.1 ms with it, 2.2-3.0 ms without, noisy box).
+# The kernel caps it at net.core.wmem_max; receive buffers stay autotuned (up to tcp_rmem's max).
+SNDBUF = 4 << 20
 CHANNELS = (0, 1)     # 0: collectives, 1: point-to-point
 
 
@@ -82,6 +87,8 @@ def _bind_listener(host: str, group: str) -> socket.socket:
 
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < SNDBUF:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
     sock.setblocking(False)
 
 

@@ -36,10 +36,18 @@ from ringlet.errors import (
     PeerFailureError,
 )
 from ringlet.transport._tcp_mesh import Peer
-from ringlet.transport._tcp_wire import ABORT, BYE, DATA, FRAME_MAGIC, HEADER, MAX_REASON, parse_header
+from ringlet.transport._tcp_wire import (
+    ABORT,
+    BYE,
+    DATA,
+    FRAME_MAGIC,
+    HEADER,
+    MAX_REASON,
+    parse_header,
+)
 from ringlet.transport.base import OpContext, describe_fingerprint
 
-__all__ = ["Pump", "SMALL", "peer_lost", "read_reason"]
+__all__ = ["SMALL", "Pump", "peer_lost", "read_reason"]
 
 HSIZE = HEADER.size
 SMALL = 64 * 1024          # frames up to this are read in one recv with their header
@@ -48,7 +56,7 @@ _EOF_WORDS = "closed the connection: it died, exited or was killed"
 
 
 class _Recv:
-    __slots__ = ("expect", "view", "buf", "got", "hgot", "done")
+    __slots__ = ("buf", "done", "expect", "got", "hgot", "view")
 
     def __init__(self, expect: bytes, view: memoryview, done: Callable[[], None] | None) -> None:
         self.expect = expect
@@ -112,6 +120,7 @@ class Pump:
         self._mid: set[int] = set()              # peers whose first queued frame is partly sent
         self.ctx: OpContext | None = None
         self._fp = (0, 0, 0)
+        self.keep: list[object] = []             # tensors whose memory queued frames use
         self.wait_s = 0.0                        # time spent blocked in poll (stats)
         self.late_s: dict[int, float] = {}
 
@@ -122,6 +131,7 @@ class Pump:
             raise ctx.error(GroupAbortedError, f"the group was aborted on this rank: {self.aborted}")
         self.ctx = ctx
         self._fp = ctx.fingerprint()
+        self.keep.clear()
         self._tx.clear()
         self._rx.clear()
         self._rx_done.clear()
@@ -191,6 +201,7 @@ class Pump:
             except BlockingIOError:
                 return progressed
             except OSError as e:
+                self._inspect(r)       # a peer that aborted or left said so before it closed
                 raise peer_lost(self._ctx(), self.peers[r], e) from None
             progressed = True
             while frame and n >= len(frame[0]):

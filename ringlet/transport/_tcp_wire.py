@@ -41,8 +41,18 @@ from ringlet.errors import DistNetworkError
 from ringlet.store._protocol import DeadlinePassed, recv_exact, token_mac
 
 __all__ = [
-    "HEADER", "FRAME_MAGIC", "DATA", "P2P", "ABORT", "BYE", "header", "parse_header",
-    "accept_handshake", "connect_handshake", "interface_address", "route_source",
+    "ABORT",
+    "BYE",
+    "DATA",
+    "FRAME_MAGIC",
+    "HEADER",
+    "P2P",
+    "accept_handshake",
+    "connect_handshake",
+    "header",
+    "interface_address",
+    "parse_header",
+    "route_source",
 ]
 
 FRAME_MAGIC = 0x524C          # "RL"
@@ -83,12 +93,12 @@ def accept_handshake(sock: socket.socket, me: int, token: bytes | None, group_id
     ``expected`` maps (rank, channel) of the connections still awaited to the address the
     rank published; a claim outside it, from another address, or with a bad MAC is refused.
     """
+    peer_ip = sock.getpeername()[0]
     nonce = _nonce()
     sock.settimeout(max(deadline - time.monotonic(), 0.01))
     sock.sendall(ACCEPT_HELLO.pack(HS_MAGIC, HS_VERSION, me, nonce))
     raw = recv_exact(sock, CONNECT_HELLO.size, deadline)
     magic, version, claimed, target, channel, cnonce, mac = CONNECT_HELLO.unpack(raw)
-    peer_ip = sock.getpeername()[0]
     if magic != HS_MAGIC:
         raise DistNetworkError(f"connection from {peer_ip} is not a ringlet tcp peer")
     status = HS_OK
@@ -111,7 +121,7 @@ def connect_handshake(sock: socket.socket, me: int, target: int, channel: int, t
                       group_id: bytes, deadline: float, where: str) -> None:
     """Connector's half: prove the token, check the acceptor's proof.  Raises ``DistNetworkError``."""
     try:
-        magic, version, acceptor, nonce = ACCEPT_HELLO.unpack(recv_exact(sock, ACCEPT_HELLO.size, deadline))
+        magic, _version, acceptor, nonce = ACCEPT_HELLO.unpack(recv_exact(sock, ACCEPT_HELLO.size, deadline))
         if magic != HS_MAGIC or acceptor != target:
             raise DistNetworkError(f"the peer at {where} is not rank {target} of this group "
                                    f"(greeting {magic!r}, rank {acceptor})", peer=target)

@@ -6,7 +6,8 @@ How it fits together:
   [Note: tcp handshake]); which address to listen on.
 - ``_tcp_mesh``: listen on port 0, publish ``host:port`` in the group's store, connect.
 - ``_tcp_pump``: non-blocking, deadline-bounded movement of frames for one operation.
-- ``_tcp_algos``: the collectives ([Note: tcp reduction order]).
+- ``_tcp_algos``: the reducing collectives ([Note: tcp reduction order]); ``_tcp_moves``: the
+  data-movement ones.
 
 This module holds the transport object: collectives delegate to the algorithms,
 point-to-point messages use the second connection of each pair (one frame per
@@ -27,12 +28,18 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ringlet import _env
-from ringlet.errors import CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError
+from ringlet.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DistBackendError,
+    GroupAbortedError,
+)
 from ringlet.transport._tcp_algos import TcpAlgos, mv
 from ringlet.transport._tcp_mesh import Peer, build_mesh
 from ringlet.transport._tcp_pump import HSIZE, Pump, peer_lost
@@ -87,7 +94,8 @@ class TcpTransport(Transport):
 
     name = "tcp"
 
-    def __init__(self, rank: int, world_size: int, peers: dict[int, Peer], host: str) -> None:
+    def __init__(self, rank: int, world_size: int, peers: dict[int, Peer], host: str,
+                 host_keys: list[str] | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.peers = peers
@@ -96,7 +104,7 @@ class TcpTransport(Transport):
         os.set_blocking(self._wake_w, False)
         self.pump = Pump(rank, peers, self._wake_r)
         self.pump.abort_hook = self._send_aborts
-        self.algos = TcpAlgos(self.pump, rank, world_size, _env.tcp_chunk_bytes())
+        self.algos = TcpAlgos(self.pump, rank, world_size, _env.tcp_chunk_bytes(), host_keys)
         self._p2p_tx = dict.fromkeys(peers, 0)
         self._p2p_rx = dict.fromkeys(peers, 0)
         self._rx_locks = {r: threading.Lock() for r in peers}
@@ -106,57 +114,67 @@ class TcpTransport(Transport):
     @classmethod
     def create(cls, store: Any, rank: int, world_size: int, timeout: float, group: str,
                host: str | None = None, token: bytes | None = None,
-               single_host: bool = False) -> TcpTransport:
+               host_keys: list[str] | None = None) -> TcpTransport:
         """Connect to every rank of the group; every rank of the group calls this.
 
         Args:
             store: the group's store (already prefixed); addresses are published there.
             host: address to listen on (default: :func:`choose_address`).
             token: run token for the handshake (default ``RINGLET_STORE_TOKEN[_FILE]``).
-            single_host: every rank of the group is on this host (loopback is fine).
+            host_keys: each group rank's host (rendezvous ``host_key``): the fold order across
+                hosts ([Note: tcp reduction order]); all equal means loopback will do.
 
         Raises:
             DistNetworkError: a peer is unreachable, refused this rank, or never connected.
             DistStoreError: a rank never published its address within ``timeout``.
         """
+        single_host = host_keys is not None and len(set(host_keys)) == 1
         host = host or choose_address(store, single_host)
         token = _env.store_token() if token is None else token
         peers = build_mesh(store, rank, world_size, timeout, group, host, token)
-        return cls(rank, world_size, peers, host)
+        return cls(rank, world_size, peers, host, host_keys)
 
     def __repr__(self) -> str:
         return f"TcpTransport(rank {self.rank}/{self.world_size}, {self.host})"
 
     # -- collectives -------------------------------------------------------------------------
+    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run a collective; on failure abort at once (peers hear it now, not after our report)."""
+        try:
+            fn(*args)
+        except DistBackendError as e:
+            self.abort(f"{type(e).__name__}: {e}")
+            raise
+
     def all_reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, ctx: OpContext) -> None:
-        self.algos.all_reduce(buf.view(-1), op, factor, ctx)
+        self._call(self.algos.all_reduce, buf.view(-1), op, factor, ctx)
 
     def reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, root: int,
                ctx: OpContext) -> None:
-        self.algos.reduce(buf.view(-1), op, factor, root, ctx)
+        self._call(self.algos.reduce, buf.view(-1), op, factor, root, ctx)
 
     def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext) -> None:
-        self.algos.broadcast(buf.view(-1), root, ctx)
+        self._call(self.algos.broadcast, buf.view(-1), root, ctx)
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext) -> None:
-        self.algos.all_gather(inp.view(-1), out.view(-1), ctx)
+        self._call(self.algos.all_gather, inp.view(-1), out.view(-1), ctx)
 
     def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext) -> None:
-        self.algos.gather(inp.view(-1), out.view(-1) if out is not None else None, root, ctx)
+        self._call(self.algos.gather, inp.view(-1), out.view(-1) if out is not None else None, root, ctx)
 
     def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext) -> None:
-        self.algos.scatter(inp.view(-1) if inp is not None else None, out.view(-1), root, ctx)
+        self._call(self.algos.scatter, inp.view(-1) if inp is not None else None, out.view(-1), root, ctx)
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: RedOpType,
                        factor: float | None, ctx: OpContext) -> None:
-        self.algos.reduce_scatter(inp.view(-1), out.view(-1), op, factor, ctx)
+        self._call(self.algos.reduce_scatter, inp.view(-1), out.view(-1), op, factor, ctx)
 
     def all_to_all(self, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
                    out_splits: list[int], ctx: OpContext) -> None:
-        self.algos.all_to_all(inp.view(-1), list(in_splits), out.view(-1), list(out_splits), ctx)
+        self._call(self.algos.all_to_all, inp.view(-1), list(in_splits), out.view(-1), list(out_splits), ctx)
 
     def barrier(self, ctx: OpContext) -> None:
-        self.algos.barrier(ctx)
+        self._call(self.algos.barrier, ctx)
 
     # -- point to point ----------------------------------------------------------------------
     def send(self, buf: torch.Tensor, dst: int, tag: int, ctx: OpContext) -> None:
@@ -192,7 +210,7 @@ class TcpTransport(Transport):
             want = header(P2P, tag, len(data), 0, idx & 0xFFFFFFFF, len(data))
             got = self._read(p, memoryview(bytearray(HSIZE)), ctx)
             if bytes(got) != want:
-                _m, kind, gtag, gbytes, _n, gidx, _nb = parse_header(bytes(got))
+                _m, _kind, gtag, gbytes, _n, _idx, _nb = parse_header(bytes(got))
                 p.gone = p.gone or "desync"
                 raise ctx.error(CollectiveMismatchError,
                                 f"rank {src} sent a message of {gbytes} bytes with tag {gtag}, but rank "

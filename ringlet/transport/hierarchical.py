@@ -1,0 +1,293 @@
+"""``auto`` across hosts: shared memory among the ranks of each host, tcp among hosts.
+
+A group whose ranks span several hosts (``w.hosts``: hostname + network namespace +
+boot id) gets one ``shm`` transport per host (its local ranks) and one ``tcp``
+transport over all ranks.  Large ``all_reduce`` and ``all_gather`` are
+hierarchical; everything else runs on the flat tcp transport, which is correct for
+any layout.
+
+[Note: hierarchical reduction order]
+Results must be bit-identical to the flat tcp path of the same group.  A group that spans
+hosts folds in host-major order ([Note: tcp reduction order]): each host's contributions in
+rank order, then the hosts' partial results in host order.  That is exactly what the
+hierarchical all-reduce computes, with every host working at once:
+
+1. host reduce-scatter (shm): block ``l`` of the host's partial result lands on local rank ``l``;
+2. all-reduce of block ``l`` among the ranks with local rank ``l`` on every host (a tcp
+   "column", folded in host order);
+3. host all-gather (shm).
+
+AVG divides the final sum once; PREMUL_SUM scales each contribution first, as the flat path
+does.  Every host needs the same number of ranks (any numbering); other layouts, and tensors
+of ``SMALL_ALL_REDUCE`` bytes or less (one direct exchange beats three steps), use the flat
+path.  Inter-host bytes: about one tensor each way per host, in parallel over the columns,
+against ``2(n-1)/n`` tensors per *rank* for the flat path's reduce-scatter + all-gather.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ringlet.errors import DistBackendError
+from ringlet.store import PrefixStore
+from ringlet.transport._tcp_algos import SMALL_ALL_REDUCE
+from ringlet.transport.base import OpContext, Transport
+from ringlet.transport.reduce import RedOpType, finish_, prepare_contribution
+from ringlet.transport.shm import ShmTransport
+from ringlet.transport.tcp import TcpTransport
+
+__all__ = ["HierarchicalTransport", "HostPlan", "plan_hosts"]
+
+# Shared-memory steps get this much longer than the operation's deadline: when a rank waits on
+# the network, its host-mates wait on it; letting it time out first means they fail with its
+# reason (which names the remote rank and host) instead of a timeout that names a host-mate.
+LOCAL_GRACE_S = 0.5
+# Large all-reduces run in segments of about this many bytes, so that the columns' network
+# transfer of one segment overlaps the shared-memory steps of its neighbours.
+SEGMENT_BYTES = 4 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPlan:
+    """Where every rank of a group lives; pure data, built by :func:`plan_hosts`."""
+
+    hosts: tuple[tuple[int, ...], ...]   # group ranks of each host, hosts ordered by lowest rank
+    host: int                            # this rank's host index
+    local: int                           # this rank's index on its host
+
+    @property
+    def uniform(self) -> bool:
+        return len({len(h) for h in self.hosts}) == 1
+
+    @property
+    def contiguous(self) -> bool:
+        flat = [r for h in self.hosts for r in h]
+        return flat == list(range(len(flat)))
+
+    @property
+    def leaders(self) -> list[int]:
+        return [h[0] for h in self.hosts]
+
+    def column(self, local: int) -> list[int]:
+        """The ranks with local index ``local`` on every host, in host order."""
+        return [h[local] for h in self.hosts]
+
+
+def _bind(fn: Callable[..., None], *args: Any) -> Callable[[OpContext], None]:
+    """``ctx -> fn(*args, ctx)``: a shared-memory step for ``HierarchicalTransport._shm``."""
+    return lambda ctx: fn(*args, ctx)
+
+
+def plan_hosts(host_keys: list[str], rank: int) -> HostPlan:
+    """Group ranks by host key.
+
+    Example::
+
+        >>> plan_hosts(["a", "a", "b", "b"], 2)
+        HostPlan(hosts=((0, 1), (2, 3)), host=1, local=0)
+    """
+    order: dict[str, list[int]] = {}
+    for r, key in enumerate(host_keys):
+        order.setdefault(key, []).append(r)
+    hosts = tuple(tuple(rs) for rs in order.values())
+    host = next(i for i, h in enumerate(hosts) if rank in h)
+    return HostPlan(hosts, host, hosts[host].index(rank))
+
+
+class HierarchicalTransport(Transport):
+    """shm within hosts + tcp among them (see the module docstring)."""
+
+    name = "shm+tcp"
+
+    def __init__(self, rank: int, plan: HostPlan, local: ShmTransport, tcp: TcpTransport) -> None:
+        self.rank = rank
+        self.world_size = tcp.world_size
+        self.plan = plan
+        self.local = local
+        self.tcp = tcp
+        self._net: concurrent.futures.ThreadPoolExecutor | None = None   # the columns' tcp steps
+
+    @classmethod
+    def create(cls, store: Any, rank: int, host_keys: list[str], timeout: float,
+               group: str) -> HierarchicalTransport:
+        """Build this host's shm arena and the tcp mesh; every rank of the group calls this."""
+        plan = plan_hosts(host_keys, rank)
+        mates = plan.hosts[plan.host]
+        local = ShmTransport.create(PrefixStore(f"host{plan.host}", store), plan.local, len(mates),
+                                    timeout, f"{group}/host{plan.host}")
+        try:
+            tcp = TcpTransport.create(PrefixStore("net", store), rank, len(host_keys), timeout, group,
+                                      host_keys=host_keys)
+        except BaseException:
+            local.close()
+            raise
+        return cls(rank, plan, local, tcp)
+
+    def __repr__(self) -> str:
+        return f"HierarchicalTransport(rank {self.rank}/{self.world_size}, hosts {list(self.plan.hosts)})"
+
+    def _shm(self, ctx: OpContext, call: Callable[[OpContext], None]) -> None:
+        """Run one shared-memory step (see LOCAL_GRACE_S); its errors say how it numbers ranks."""
+        lctx = copy.copy(ctx)
+        lctx.deadline = ctx.deadline + LOCAL_GRACE_S
+        try:
+            call(lctx)
+        except DistBackendError as e:
+            mates = ", ".join(f"{i} = rank {r}" for i, r in enumerate(self.plan.hosts[self.plan.host]))
+            raise type(e)(f"{e} [shared memory on this host numbers its ranks locally: {mates}]",
+                          **e.context) from None
+
+    # -- hierarchical collectives ------------------------------------------------------------
+    def _guarded(self, fn: Callable[[], None]) -> None:
+        """On failure abort both transports at once: host-mates waiting in shared memory and peers
+        waiting on tcp learn the cause now (it names the remote rank), not at their own deadline."""
+        try:
+            fn()
+        except DistBackendError as e:
+            self.abort(f"{type(e).__name__}: {e}")
+            raise
+
+    def all_reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, ctx: OpContext) -> None:
+        self._guarded(lambda: self._all_reduce(buf, op, factor, ctx))
+
+    def _all_reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, ctx: OpContext) -> None:
+        flat, p = buf.view(-1), self.plan
+        small = flat.numel() * flat.element_size() <= SMALL_ALL_REDUCE or flat.numel() < len(p.hosts[0])
+        if small or not p.uniform:
+            self.tcp.all_reduce(buf, op, factor, ctx)
+            return
+        L = len(p.hosts[0])
+        base = RedOpType.SUM if op in (RedOpType.AVG, RedOpType.PREMUL_SUM) else op
+        src = flat
+        if op == RedOpType.PREMUL_SUM:
+            src = torch.empty_like(flat)
+            prepare_contribution(flat, src, op, factor)
+        padded, _ = self._padded(src, L)
+        out = padded if padded is flat else torch.empty_like(padded)
+        seg = max(L, SEGMENT_BYTES // flat.element_size() // L * L)
+        segments = [(o, min(seg, padded.numel() - o)) for o in range(0, padded.numel(), seg)]
+        if self._net is None:
+            self._net = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringlet-columns")
+        pending: list[tuple[concurrent.futures.Future[None], torch.Tensor, int, int]] = []
+        try:
+            for o, c in segments:      # segment k's shm steps overlap segment k-1's network step
+                mine = torch.empty(c // L, dtype=flat.dtype)
+                piece = padded[o:o + c]
+                self._shm(ctx, _bind(self.local.reduce_scatter, piece, mine, base, None))
+                pending.append((self._net.submit(self._column, mine, base, op, ctx), mine, o, c))
+                if len(pending) > 1:
+                    self._gather_segment(pending.pop(0), out, ctx)
+            while pending:
+                self._gather_segment(pending.pop(0), out, ctx)
+        finally:
+            if pending:                # failed half-way: stop the network step before leaving
+                self.tcp.abort("hierarchical all_reduce failed")
+                concurrent.futures.wait([f for f, *_ in pending], timeout=5.0)
+        if out is not flat:
+            flat.copy_(out[:flat.numel()])
+
+    def _column(self, mine: torch.Tensor, base: RedOpType, op: RedOpType, ctx: OpContext) -> None:
+        p = self.plan
+        self.tcp.algos.all_reduce(mine, base, None, ctx, ranks=p.column(p.local))
+        finish_(mine, op, self.world_size)
+
+    def _gather_segment(self, item: tuple[concurrent.futures.Future[None], torch.Tensor, int, int],
+                        out: torch.Tensor, ctx: OpContext) -> None:
+        fut, mine, o, c = item
+        fut.result(timeout=max(ctx.deadline - time.monotonic(), 0.0) + LOCAL_GRACE_S + 5.0)
+        self._shm(ctx, lambda cc: self.local.all_gather(mine, out[o:o + c], cc))
+
+    def _padded(self, flat: torch.Tensor, L: int) -> tuple[torch.Tensor, int]:
+        """``flat`` padded with zeros to ``L`` equal blocks (itself when it divides), block size."""
+        B = -(-flat.numel() // L)
+        if B * L == flat.numel():
+            return flat, B
+        out = torch.zeros(B * L, dtype=flat.dtype)
+        out[:flat.numel()].copy_(flat)
+        return out, B
+
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext) -> None:
+        self._guarded(lambda: self._all_gather(inp, out, ctx))
+
+    def _all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext) -> None:
+        """Each column gathers over tcp, then each host gathers the columns over shm."""
+        p = self.plan
+        if not p.uniform or out.numel() * out.element_size() <= SMALL_ALL_REDUCE:
+            self.tcp.all_gather(inp, out, ctx)
+            return
+        H, L, N = len(p.hosts), len(p.hosts[0]), inp.numel()
+        col = torch.empty(H * N, dtype=inp.dtype)
+        self.tcp.algos.all_gather(inp.view(-1), col, ctx, ranks=p.column(p.local))
+        grid = torch.empty(L * H * N, dtype=inp.dtype)
+        self._shm(ctx, lambda c: self.local.all_gather(col, grid, c))
+        fo, g = out.view(-1), grid.view(L, H, N)
+        if p.contiguous:
+            fo.view(H, L, N).copy_(g.transpose(0, 1))
+            return
+        for h, ranks in enumerate(p.hosts):
+            for loc, r in enumerate(ranks):
+                fo[r * N:(r + 1) * N].copy_(g[loc, h])
+
+    def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext) -> None:
+        self._guarded(lambda: self._broadcast(buf, root, ctx))
+
+    def _broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext) -> None:
+        """The root sends to one rank per other host (tcp); each host broadcasts (shm)."""
+        p = self.plan
+        rh = next(i for i, h in enumerate(p.hosts) if root in h)
+        chain = [root] + [h[0] for i, h in enumerate(p.hosts) if i != rh]
+        if self.rank in chain:
+            self.tcp.algos.broadcast(buf.view(-1), 0, ctx, ranks=chain)
+        src = p.hosts[rh].index(root) if p.host == rh else 0
+        self._shm(ctx, lambda c: self.local.broadcast(buf, src, c))
+
+    # -- flat tcp ------------------------------------------------------------------------------
+    def reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, root: int,
+               ctx: OpContext) -> None:
+        self.tcp.reduce(buf, op, factor, root, ctx)
+
+    def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext) -> None:
+        self.tcp.gather(inp, out, root, ctx)
+
+    def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext) -> None:
+        self.tcp.scatter(inp, out, root, ctx)
+
+    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: RedOpType,
+                       factor: float | None, ctx: OpContext) -> None:
+        self.tcp.reduce_scatter(inp, out, op, factor, ctx)
+
+    def all_to_all(self, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
+                   out_splits: list[int], ctx: OpContext) -> None:
+        self.tcp.all_to_all(inp, in_splits, out, out_splits, ctx)
+
+    def barrier(self, ctx: OpContext) -> None:
+        self.tcp.barrier(ctx)
+
+    def send(self, buf: torch.Tensor, dst: int, tag: int, ctx: OpContext) -> None:
+        self.tcp.send(buf, dst, tag, ctx)
+
+    def recv(self, buf: torch.Tensor, src: int | None, tag: int, ctx: OpContext) -> int:
+        return self.tcp.recv(buf, src, tag, ctx)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def wait_stats(self) -> tuple[float, dict[int, float]]:
+        return self.tcp.wait_stats()
+
+    def abort(self, reason: str) -> None:
+        self.local.abort(reason)
+        self.tcp.abort(reason)
+
+    def close(self) -> None:
+        try:
+            self.local.close()
+        finally:
+            self.tcp.close()
+            if self._net is not None:
+                self._net.shutdown(wait=True, cancel_futures=True)
