@@ -135,7 +135,20 @@ class Watchdog:
 
 
 def hang_report(store: Any, pg: Any, err: BaseException) -> str:
-    """Ask every rank of ``pg`` for its state and merge the answers into one report."""
+    """Ask every rank of ``pg`` for its state and merge the answers into one report.
+
+    Bounded: the store may itself be unreachable (a cut link), and its calls wait for the store's
+    own timeout, so the collection runs on a helper thread that gets ``REPORT_WAIT + 1`` seconds.
+    """
+    box: list[str] = []
+    worker = threading.Thread(target=lambda: box.append(_collect_report(store, pg, err)),
+                              name="ringlet-hang-report", daemon=True)
+    worker.start()
+    worker.join(REPORT_WAIT + 1.0)
+    return box[0] if box else f"(no hang report: the store did not answer within {REPORT_WAIT + 1.0:.0f} s)"
+
+
+def _collect_report(store: Any, pg: Any, err: BaseException) -> str:
     try:
         req = int(store.add("hang/req", 1))
     except Exception as e:  # noqa: BLE001
