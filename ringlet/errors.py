@@ -12,14 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "DistError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "DistBackendError",
+    "DistError",
     "DistNetworkError",
     "DistStoreError",
-    "CollectiveTimeoutError",
-    "PeerFailureError",
-    "CollectiveMismatchError",
     "GroupAbortedError",
+    "PeerFailureError",
 ]
 
 

@@ -5,13 +5,19 @@ This module only re-exports; the implementation lives in ``ringlet.c10d``
 (process groups), ``ringlet.store`` and ``ringlet.transport``.
 """
 
-from ringlet.c10d import *  # noqa: F403
+from ringlet.c10d import *
 from ringlet.c10d import __all__ as _c10d_all
 from ringlet.c10d.collectives import all_gather_into_tensor as all_gather_single
 from ringlet.c10d.collectives import reduce_scatter_tensor as reduce_scatter_single
 from ringlet.errors import (
-    CollectiveMismatchError, CollectiveTimeoutError, DistBackendError, DistError, DistNetworkError,
-    DistStoreError, GroupAbortedError, PeerFailureError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DistBackendError,
+    DistError,
+    DistNetworkError,
+    DistStoreError,
+    GroupAbortedError,
+    PeerFailureError,
 )
 from ringlet.mesh import DeviceMesh, init_device_mesh
 from ringlet.store import FileStore, HashStore, PrefixStore, Store, TCPStore
