@@ -1,9 +1,12 @@
 """Data-parallel training over ringlet: the README's main job.
 
-Each rank trains a copy of a small character-level language model on its share
-of every global batch; gradients are averaged with ``all_reduce`` over the
-shared-memory transport.  Rank 0 also trains a 1-process reference on the whole
-global batch and prints both losses side by side: they match, step for step.
+Each rank trains a replica of a small character-level language model on its
+share of every global batch.  By default the model is wrapped in ringlet's
+``DistributedDataParallel`` (bucketed gradient all-reduce overlapped with
+backward, over the shared-memory transport); ``--manual`` averages the
+gradients with plain ``all_reduce`` calls instead.  Rank 0 also trains a
+1-process reference on the whole global batch and prints both losses side by
+side: they match, step for step.
 
 Run (2 processes on this host, no server to install)::
 
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ringlet.distributed as dist
+from ringlet.nn.parallel import DistributedDataParallel as DDP
 
 CONTEXT = 8
 VOCAB = 128
@@ -73,6 +77,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=256, help="global batch size")
     ap.add_argument("--lr", type=float, default=0.5)
     ap.add_argument("--text", default=None)
+    ap.add_argument("--manual", action="store_true", help="average gradients with all_reduce, no DDP")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -83,18 +88,22 @@ def main() -> int:
     torch.manual_seed(0)
     model = CharMLP()
     reference = copy.deepcopy(model) if rank == 0 else None
+    if not args.manual:
+        model = DDP(model)                 # broadcasts rank 0's parameters, hooks the gradients
     text = load_text(args.text)
     if rank == 0:
-        print(f"data-parallel training on {world} ranks over '{dist.get_backend()}', "
+        mode = "plain all_reduce" if args.manual else "DistributedDataParallel"
+        print(f"data-parallel training ({mode}) on {world} ranks over '{dist.get_backend()}', "
               f"{sum(p.numel() for p in model.parameters())} parameters, global batch {args.batch}", flush=True)
     t0 = time.perf_counter()
     for step in range(args.steps):
         x, y = global_batch(text, step, args.batch)
         xs, ys = x[rank::world], y[rank::world]           # this rank's share
         loss = F.cross_entropy(model(xs), ys)
-        loss.backward()
-        for p in model.parameters():                      # average gradients across ranks
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        loss.backward()                                   # DDP averages gradients during backward
+        if args.manual:
+            for p in model.parameters():                  # average gradients across ranks by hand
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
         sgd_step(model, args.lr)
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)

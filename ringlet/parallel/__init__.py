@@ -26,6 +26,6 @@ from ringlet.parallel.sampler import DistributedSampler
 from ringlet.parallel.sync_batchnorm import SyncBatchNorm
 from ringlet.parallel.zero import ZeroRedundancyOptimizer
 
-__all__ = ["DistributedDataParallel", "GradBucket", "DistributedSampler", "Join", "JoinHook", "Joinable", "SyncBatchNorm", "ZeroRedundancyOptimizer"]
+__all__ = ["DistributedDataParallel", "DistributedSampler", "GradBucket", "Join", "JoinHook", "Joinable", "SyncBatchNorm", "ZeroRedundancyOptimizer"]
 __all__ += ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard",
             "register_fsdp_forward_method"]

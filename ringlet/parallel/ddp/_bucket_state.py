@@ -74,6 +74,13 @@ class Bucket:
         self.launched = False
         self.handle = None
 
+    def is_done(self) -> bool:
+        """Whether this iteration's reduction has finished (without waiting)."""
+        h = self.handle
+        if h is None:
+            return self.launched
+        return bool(h.done() if isinstance(h, torch._C.Future) else h.is_completed())
+
     def wait_result(self) -> None:
         """Wait for this bucket's reduction; a comm hook's result is written into the buffer."""
         handle, self.handle = self.handle, None
@@ -103,6 +110,9 @@ class Layout:
         self.params = params
         self.cap_bytes = cap_bytes
         self.as_view = as_view
+        # None: plan_buckets' default.  Benchmarks set a huge value (then re-install) to measure
+        # torch's packing of large gradients, i.e. what solo buckets save.
+        self.solo_bytes: int | None = None
         self.buckets: list[Bucket] = []
         self._where: list[tuple[int, int]] = []
         self.install(default_order(len(params)))
@@ -114,7 +124,7 @@ class Layout:
     def install(self, order: list[int]) -> bool:
         """(Re)build the buckets for a ready ``order``; False if the plan did not change."""
         plans = plan_buckets([p.numel() for p in self.params], [p.dtype for p in self.params], order,
-                             self.cap_bytes)
+                             self.cap_bytes, solo_bytes=self.solo_bytes)
         if self.buckets and plans == self.plans:
             return False
         old = [self.slot(i) if self.buckets and not self.bucket_of(i).plan.solo else None

@@ -21,7 +21,7 @@ from ringlet.c10d.world import resolve_group
 from ringlet.parallel.ddp import _checks
 from ringlet.parallel.ddp._buckets import cap_bytes_from_mb
 from ringlet.parallel.ddp._join import DDPJoinHook, Join, Joinable
-from ringlet.parallel.ddp._reducer import Phase, Reducer
+from ringlet.parallel.ddp._reducer import Phase, Reducer, traced
 
 __all__ = ["DistributedDataParallel"]
 
@@ -105,7 +105,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._all_params = [p for _, p in named_params]
 
         pg = self.process_group
-        with torch.profiler.record_function("DistributedDataParallel.__init__"):
+        with traced("DistributedDataParallel.__init__"):
             _checks.verify_same_model(_checks.describe(named_params, named_buffers), pg)
             if init_sync:
                 _checks.broadcast_coalesced(self._all_params + [b for _, b in named_buffers], pg, 0)
@@ -116,7 +116,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with torch.profiler.record_function("DistributedDataParallel.forward"):
+        with traced("DistributedDataParallel.forward"):
             training = torch.is_grad_enabled()
             sync = training and self.require_backward_grad_sync
             join_work = self._pre_forward(sync) if training else None

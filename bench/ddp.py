@@ -1,0 +1,351 @@
+"""DDP benchmark: ringlet's DistributedDataParallel against torch's (gloo), in one run.
+
+Usage::
+
+    python bench/ddp.py [--ranks 2] [--models mlp,gpt] [--steps 8] [--warmup 2] [--rounds 2]
+        [--caps 1,5,25,100] [--quick] [--markdown out.md] [--op-timeout 300] [--timeout S]
+
+``--ranks`` processes (forkserver, one torch thread each) join a ringlet default group (shm)
+and a torch gloo group (file:// rendezvous).  Models (``bench/_models.py``): (a) MLP: 4 x
+Linear(2500, 2500), batch 32 per rank; (b) GPT: 4 pre-LN blocks, d=384, 6 heads, seq 128, vocab
+4096, batch 8 per rank.  A step is forward, backward, AdamW ``step()`` and ``zero_grad()``,
+started together after a barrier.  Modes:
+
+- ``ringlet``: ringlet DDP with ``gradient_as_bucket_view=True`` (bucket_cap_mb 25);
+- ``ringlet copy``: ringlet DDP with default options;
+- ``torch``: torch's DDP on gloo, default options;
+- ``packed cap=N``: the bucket_cap_mb sweep (``--caps``): ringlet DDP with bucket views but
+  torch's bucket layout (large gradients packed with their neighbours, no solo buckets), where
+  the cap matters -- and which shows what reducing large gradients in place saves;
+- ``no-sync``: the same model without communication: a step on ``ddp.module`` (DDP's hooks
+  stay idle unless DDP's own forward ran, in both libraries).
+
+Each mode has its own model (same seed) and optimizer.  The three main modes are timed
+together: every timed iteration runs, for each mode in rotating order, one no-sync step and one
+synchronised step, so each mode and its own no-sync baseline share the machine's noise (the
+ratios hold on a busy machine; absolute times do not).  Each sweep cap is timed the same way on
+its own.  After ``--warmup`` iterations, ``--steps`` are timed per round, ``--rounds`` rounds.
+A step's time is the slowest rank's; reported times are medians.  samples/s = ranks x per-rank
+batch / step time.  Ratios are paired, then the median taken: "vs no-sync" = each synchronised
+step / the no-sync step run next to it (same mode); "vs torch" = each step / torch DDP's step of
+the same iteration (below 1: faster than torch); the no-sync row pools the main modes' no-sync
+steps.
+
+Overlap, from the reducer's own statistics (``reducer.last_stats``) of each synchronised step:
+"done in bwd" = share of the gradient bytes whose all-reduce had finished when backward ended
+(communication hidden behind backward); "end of bwd" = time from the end of backward to the
+gradients being in ``.grad`` (launching the rest, waiting, copying).  For scale, the ``ringlet``
+mode's bucket sizes are also all-reduced back to back with no compute (median of 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import _common as common
+import _models as models
+import torch
+
+MODELS = ("mlp", "gpt")
+BATCH = {"mlp": 32, "gpt": 8}
+MAIN_CAP = 25
+MAIN_MODES = ("ringlet", "ringlet copy", "torch")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    ranks: int
+    models: tuple[str, ...]
+    steps: int
+    warmup: int
+    rounds: int
+    caps: tuple[float, ...]
+    op_timeout: float
+    timeout: float
+    markdown: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ranks < 2:
+            raise ValueError(f"expected --ranks >= 2, got {self.ranks}")
+        bad = [m for m in self.models if m not in MODELS]
+        if bad or not self.models:
+            raise ValueError(f"expected --models from {','.join(MODELS)}, got {','.join(self.models)!r}")
+        if self.steps < 1 or self.warmup < 0 or self.rounds < 1:
+            raise ValueError(f"expected --steps >= 1, --warmup >= 0, --rounds >= 1, got "
+                             f"{self.steps}, {self.warmup}, {self.rounds}")
+        if any(c <= 0 for c in self.caps):
+            raise ValueError(f"expected positive --caps, got {self.caps}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--steps", type=int, default=8, help="timed steps per mode and round")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--caps", default="1,5,25,100", help="bucket_cap_mb sweep (MiB)")
+    p.add_argument("--quick", action="store_true", help="MLP only, 3 steps, 1 round, no sweep")
+    p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
+    p.add_argument("--op-timeout", type=float, default=300.0, help="collective timeout, s")
+    p.add_argument("--timeout", type=float, default=None, help="whole-run backstop, s")
+    a = p.parse_args(argv)
+    try:
+        names = tuple(m.strip() for m in a.models.split(",") if m.strip())
+        caps = tuple(float(c) for c in a.caps.split(",") if c.strip())
+        steps, rounds = a.steps, a.rounds
+        if a.quick:
+            names, caps, steps, rounds = ("mlp",), (), 3, 1
+        n_modes = len(MAIN_MODES) + len(caps)
+        timeout = 120.0 + 2 * 12.0 * len(names) * n_modes * rounds * (steps + a.warmup) \
+            if a.timeout is None else a.timeout
+        return Config(ranks=a.ranks, models=names, steps=steps, warmup=a.warmup, rounds=rounds,
+                      caps=caps, op_timeout=a.op_timeout, timeout=timeout, markdown=a.markdown)
+    except ValueError as e:
+        p.error(str(e))
+        raise  # unreachable: p.error exits
+
+
+# ---------------------------------------------------------------- in each rank
+
+
+def _build(name: str, rank: int) -> tuple[torch.nn.Module, Any, Callable[..., torch.Tensor]]:
+    torch.manual_seed(0)
+    if name == "mlp":
+        return models.mlp(), models.mlp_batch(BATCH[name], seed=rank), models.mlp_loss
+    return models.GPT(), models.gpt_batch(BATCH[name], seed=rank), models.gpt_loss
+
+
+def _wrap(mode: str, module: torch.nn.Module) -> torch.nn.Module:
+    if mode == "torch":
+        from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+        return TorchDDP(module)
+    from ringlet.nn.parallel import DistributedDataParallel as DDP
+
+    if mode == "ringlet copy":
+        return DDP(module)
+    cap = float(mode.split("=")[1]) if "cap=" in mode else MAIN_CAP
+    ddp = DDP(module, gradient_as_bucket_view=True, bucket_cap_mb=cap)
+    if mode.startswith("packed"):
+        # torch's layout: large gradients packed with their neighbours (no solo buckets), to
+        # show what the cap does and what reducing large gradients in place saves.
+        layout = ddp.reducer.layout
+        layout.solo_bytes = 1 << 62
+        layout.install(list(range(len(layout.params) - 1, -1, -1)))
+    return ddp
+
+
+class _Runner:
+    """One model and optimizer; steps either through the DDP wrapper or on the bare module.
+
+    A step on the bare module is a no-sync step: DDP's hooks stay idle unless DDP's own forward
+    ran (both libraries), so the same parameters, gradients and optimizer state serve both.
+    """
+
+    def __init__(self, name: str, mode: str, rank: int) -> None:
+        self.mode = mode
+        self.plain, self.batch, self.loss_fn = _build(name, rank)
+        self.model = _wrap(mode, self.plain)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.stats: list[tuple[float, float]] = []   # per synced step: share done in backward, finalize s
+
+    def step(self, synced: bool) -> float:
+        import ringlet.distributed as rdist
+
+        rdist.barrier()
+        t0 = time.perf_counter()
+        self.loss_fn(self.model if synced else self.plain, self.batch).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        dt = time.perf_counter() - t0
+        stats = getattr(getattr(self.model, "reducer", None), "last_stats", None)
+        if synced and stats is not None:
+            self.stats.append((stats.bytes_done_in_backward / max(1, stats.bytes), stats.finalize_s))
+        return dt
+
+
+def _interleaved(cfg: Config, name: str, modes: list[str], rank: int) -> dict[str, dict[str, Any]]:
+    """Time ``modes`` together: each timed iteration runs a no-sync and a synced step of every mode.
+
+    Interleaving puts every mode and its own no-sync baseline under the same machine noise, so the
+    ratios hold even on a busy machine.  Times are the slowest rank's.
+    """
+    import torch.distributed as tdist
+
+    runners = [_Runner(name, m, rank) for m in modes]
+    for _ in range(cfg.warmup):
+        for r in runners:
+            r.step(False), r.step(True)
+    times: dict[str, dict[str, list[float]]] = {m: {"plain": [], "ddp": []} for m in modes}
+    for i in range(cfg.steps):
+        for k in range(len(runners)):
+            r = runners[(i + k) % len(runners)]
+            for synced in ((False, True) if i % 2 == 0 else (True, False)):
+                times[r.mode]["ddp" if synced else "plain"].append(r.step(synced))
+    out: dict[str, dict[str, Any]] = {}
+    for r in runners:
+        worst = torch.tensor([times[r.mode]["plain"], times[r.mode]["ddp"]], dtype=torch.float64)
+        tdist.all_reduce(worst, op=tdist.ReduceOp.MAX)          # each step: the slowest rank
+        out[r.mode] = {"plain": worst[0].tolist(), "ddp": worst[1].tolist()}
+        reducer = getattr(r.model, "reducer", None)
+        if reducer is not None and hasattr(reducer, "layout"):
+            out[r.mode]["buckets"] = len(reducer.layout.plans)
+            timed = r.stats[cfg.warmup:]
+            out[r.mode]["done_share"] = common.median([d for d, _ in timed])
+            out[r.mode]["finalize"] = common.median([f for _, f in timed])
+            if r.mode == "ringlet":
+                bufs = [torch.zeros(p.numel, dtype=p.dtype) for p in reducer.layout.plans]  # same sizes
+                comm = torch.tensor([_comm_alone(bufs)], dtype=torch.float64)
+                tdist.all_reduce(comm, op=tdist.ReduceOp.MAX)
+                out[r.mode]["comm"] = comm.item()
+    return out
+
+
+def _comm_alone(bufs: list[torch.Tensor]) -> float:
+    """Seconds to all-reduce the bucket buffers back to back with nothing else running (median of 5)."""
+    import ringlet.distributed as rdist
+
+    op = rdist._make_nccl_premul_sum(1.0 / rdist.get_world_size())   # DDP's own reduction
+    samples = []
+    for _ in range(6):
+        rdist.barrier()
+        t0 = time.perf_counter()
+        works = [rdist.all_reduce(b, op=op, async_op=True) for b in bufs]
+        for w in works:
+            if w is not None:
+                w.wait()
+        samples.append(time.perf_counter() - t0)
+    return common.median(samples[1:])
+
+
+def _rank_main(rank: int, n: int, cfg: Config, gloo_init: str) -> list[dict[str, Any]]:
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", init_method=gloo_init, rank=rank, world_size=n,
+                             timeout=timedelta(seconds=cfg.op_timeout))
+    try:
+        return [_bench_model(cfg, name, rank) for name in cfg.models]
+    finally:
+        tdist.destroy_process_group()
+
+
+def _bench_model(cfg: Config, name: str, rank: int) -> dict[str, Any]:
+    """The main modes together, then each bucket cap of the sweep with its own no-sync steps."""
+    groups = [MAIN_MODES] + [[f"packed cap={c:g}"] for c in cfg.caps]
+    merged: dict[str, dict[str, Any]] = {}
+    for rnd in range(cfg.rounds):
+        for group in groups if rnd % 2 == 0 else groups[::-1]:
+            for mode, res in _interleaved(cfg, name, list(group), rank).items():
+                m = merged.setdefault(mode, {"plain": [], "ddp": []})
+                m["plain"] += res.pop("plain")
+                m["ddp"] += res.pop("ddp")
+                m.update(res)
+                if rank == 0:
+                    print(f"  {name:<4} {mode:<16} round {rnd}: no-sync {common.median(m['plain']) * 1e3:8.1f} ms"
+                          f"  synced {common.median(m['ddp']) * 1e3:8.1f} ms", file=sys.stderr, flush=True)
+    for m in merged.values():
+        m["plain_s"], m["ddp_s"] = common.median(m["plain"]), common.median(m["ddp"])
+        # Paired ratios: each synced step against the no-sync step run right next to it.
+        m["vs_nosync"] = common.median([d / p for d, p in zip(m["ddp"], m["plain"])])
+    torch_steps = merged["torch"]["ddp"]
+    for mode in MAIN_MODES:      # same iteration, seconds apart: paired against torch's step
+        merged[mode]["vs_torch"] = common.median([d / t for d, t in zip(merged[mode]["ddp"], torch_steps)])
+    plain = [t for mode in MAIN_MODES for t in merged[mode]["plain"]]
+    nosync_vs_torch = common.median([p / t for mode in MAIN_MODES
+                                     for p, t in zip(merged[mode]["plain"], torch_steps)])
+    return {"model": name, "modes": merged, "nosync": common.median(plain), "nosync_vs_torch": nosync_vs_torch}
+
+
+# ---------------------------------------------------------------- report
+
+
+def _rows(cfg: Config, r: dict[str, Any]) -> list[list[str]]:
+    modes, batch = r["modes"], cfg.ranks * BATCH[r["model"]]
+    rows = [["no-sync", f"{r['nosync'] * 1e3:.1f}", f"{batch / r['nosync']:.1f}", "1.000x",
+             f"{r['nosync_vs_torch']:.3f}x"]]
+    for mode in MAIN_MODES:
+        m = modes[mode]
+        rows.append([mode, f"{m['ddp_s'] * 1e3:.1f}", f"{batch / m['ddp_s']:.1f}",
+                     f"{m['vs_nosync']:.3f}x", f"{m['vs_torch']:.3f}x"])
+    return rows
+
+
+def _sweep_rows(cfg: Config, r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for mode in ["ringlet"] + [f"packed cap={c:g}" for c in cfg.caps]:
+        m = r["modes"][mode]
+        label = f"{MAIN_CAP} (solo, default)" if mode == "ringlet" else f"{mode.split('=')[1]} (packed)"
+        rows.append([label, str(m.get("buckets", "?")), f"{m['ddp_s'] * 1e3:.1f}", f"{m['plain_s'] * 1e3:.1f}",
+                     f"{m['vs_nosync']:.3f}x", f"{m['done_share'] * 100:.0f}%",
+                     f"{m['finalize'] * 1e3:.1f}"])
+    return rows
+
+
+def _overlap(r: dict[str, Any]) -> str:
+    m = r["modes"]["ringlet"]
+    comm, exposed = m["comm"], m["ddp_s"] - m["plain_s"]
+    return (f"the buckets' all-reduces alone take {comm * 1e3:.1f} ms; in a ringlet step "
+            f"{m['done_share'] * 100:.0f}% of the gradient bytes were already reduced when backward "
+            f"ended, and the end of backward (rest of the all-reduces, waits, writing .grad) took "
+            f"{m['finalize'] * 1e3:.1f} ms; step - no-sync step = {exposed * 1e3:.1f} ms")
+
+
+def render(cfg: Config, results: list[dict[str, Any]], markdown: bool) -> str:
+    table = common.markdown_table if markdown else common.text_table
+    parts = []
+    for r in results:
+        title = f"### {r['model']}" if markdown else f"== {r['model']} ({cfg.ranks} ranks) =="
+        parts += [title, "",
+                  table(["mode", "step ms", "samples/s", "vs no-sync", "vs torch"], _rows(cfg, r)), "",
+                  table(["bucket_cap_mb", "buckets", "step ms", "no-sync ms", "vs no-sync",
+                         "done in bwd", "end of bwd ms"], _sweep_rows(cfg, r)), "",
+                  ("**Overlap:** " if markdown else "overlap: ") + _overlap(r), ""]
+    return "\n".join(parts)
+
+
+def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
+    lines = [f"command: {common.command_line()}", f"date: {info['date']}",
+             f"machine: nproc {info['nproc']}; {info['cpu']}; {info['os']}",
+             f"software: torch {info['torch']}, python {info['python']}",
+             (f"setup: {cfg.ranks} ranks x 1 torch thread, ringlet shm vs torch gloo, AdamW, "
+              f"{cfg.warmup} warm-up + {cfg.steps} timed steps x {cfg.rounds} rounds per mode; "
+              f"step = median of the slowest rank's step times")]
+    if not markdown:
+        return "\n".join(lines) + "\n"
+    lines[0] = f"command: `{common.command_line()}`"
+    return "# ringlet DDP benchmark\n\n" + "\n".join(f"- {x}" for x in lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    info = common.machine_info()
+    print(preamble(cfg, info, markdown=False), flush=True)
+    env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    with tempfile.TemporaryDirectory(prefix="ringlet-bench-") as tmp:
+        try:
+            values = common.run_ranks(cfg.ranks, _rank_main, cfg, f"file://{tmp}/gloo-store",
+                                      backend="shm", timeout=cfg.timeout, op_timeout=cfg.op_timeout,
+                                      env=env)
+        except RuntimeError as e:
+            print(f"benchmark failed: {e}", file=sys.stderr)
+            return 1
+    print()
+    print(render(cfg, values[0], markdown=False))
+    if cfg.markdown:
+        with open(cfg.markdown, "w") as f:
+            f.write(preamble(cfg, info, markdown=True) + "\n" + render(cfg, values[0], markdown=True))
+        print(f"wrote {cfg.markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
