@@ -14,27 +14,29 @@ __all__ = ["Staged", "root", "same_dtype", "tensor", "tensor_list", "writable"]
 _SUPPORTED = frozenset(DTYPE_CODES)
 
 
-def tensor(t: Any, op: str, arg: str) -> torch.Tensor:
+def tensor(t: Any, op: str, arg: str, devices: tuple[str, ...] = ("cpu",)) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {arg}: expected a torch.Tensor, got {type(t).__name__}")
     if t.layout is not torch.strided:
         raise ValueError(f"{op}: {arg}: expected a dense (strided) tensor, got layout {t.layout}")
-    if not t.is_cpu:
-        raise ValueError(f"{op}: {arg}: expected a CPU tensor, got device {t.device} (ringlet's shm and "
-                         "inproc transports serve CPU tensors)")
+    kind = "cpu" if t.is_cpu else t.device.type
+    if kind not in devices:
+        raise ValueError(f"{op}: {arg}: expected a tensor on {' or '.join(devices)} (what this group's "
+                         f"transport serves), got device {t.device}")
     if t.dtype not in _SUPPORTED:
         raise TypeError(f"{op}: {arg}: unsupported dtype {t.dtype}")
     return t
 
 
-def tensor_list(ts: Any, op: str, arg: str, length: int | None = None) -> list[torch.Tensor]:
+def tensor_list(ts: Any, op: str, arg: str, length: int | None = None,
+                devices: tuple[str, ...] = ("cpu",)) -> list[torch.Tensor]:
     if not isinstance(ts, (list, tuple)):
         raise TypeError(f"{op}: {arg}: expected a list of tensors, got {type(ts).__name__}")
     if length is not None and len(ts) != length:
         raise ValueError(f"{op}: {arg}: expected {length} tensors (one per rank of the group), got {len(ts)}")
     if not ts:
         raise ValueError(f"{op}: {arg}: expected a non-empty list of tensors")
-    out = [tensor(t, op, f"{arg}[{i}]") for i, t in enumerate(ts)]
+    out = [tensor(t, op, f"{arg}[{i}]", devices) for i, t in enumerate(ts)]
     return out
 
 

@@ -64,7 +64,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     pg = resolve_group(group)
     if pg is None:
         return None
-    t = checks.tensor(tensor, "all_reduce", "tensor")
+    t = checks.tensor(tensor, "all_reduce", "tensor", pg.transport.devices)
     red, factor = resolve_op(op, "all_reduce")
     if red != ReduceOp.SUM:
         check_op_dtype(red, t.dtype, "all_reduce")
@@ -87,7 +87,7 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = ReduceOp.SUM, gr
     pg = resolve_group(group)
     if pg is None:
         return None
-    ts = checks.tensor_list(tensors, "all_reduce_coalesced", "tensors")
+    ts = checks.tensor_list(tensors, "all_reduce_coalesced", "tensors", None, pg.transport.devices)
     checks.same_dtype("all_reduce_coalesced", ts[0].dtype, ts, "tensors")
     red, factor = resolve_op(op, "all_reduce_coalesced")
     check_op_dtype(red, ts[0].dtype, "all_reduce_coalesced")
@@ -109,7 +109,7 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
     pg = resolve_group(group)
     if pg is None:
         return None
-    t = checks.tensor(tensor, "reduce", "tensor")
+    t = checks.tensor(tensor, "reduce", "tensor", pg.transport.devices)
     checks.writable(t, "reduce", "tensor")
     root = peer_rank(pg, dst, group_dst, "reduce", "dst")
     red, factor = resolve_op(op, "reduce")
@@ -130,7 +130,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
     pg = resolve_group(group)
     if pg is None:
         return None
-    t = checks.tensor(tensor, "broadcast", "tensor")
+    t = checks.tensor(tensor, "broadcast", "tensor", pg.transport.devices)
     root = peer_rank(pg, src, group_src, "broadcast", "src")
     ctx = pg.context("broadcast", t.dtype, t.numel(), root)
     tr = pg.transport
@@ -152,8 +152,8 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     if pg is None:
         return None
     op = "all_gather_into_tensor"
-    inp = checks.tensor(input_tensor, op, "input_tensor")
-    out = checks.tensor(output_tensor, op, "output_tensor")
+    inp = checks.tensor(input_tensor, op, "input_tensor", pg.transport.devices)
+    out = checks.tensor(output_tensor, op, "output_tensor", pg.transport.devices)
     checks.writable(out, op, "output_tensor")
     if out.dtype != inp.dtype:
         raise TypeError(f"{op}: output_tensor: expected dtype {inp.dtype} (like input_tensor), got {out.dtype}")
@@ -176,8 +176,8 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
     pg = resolve_group(group)
     if pg is None:
         return None
-    inp = checks.tensor(tensor, "all_gather", "tensor")
-    outs = checks.tensor_list(tensor_list, "all_gather", "tensor_list", pg.size())
+    inp = checks.tensor(tensor, "all_gather", "tensor", pg.transport.devices)
+    outs = checks.tensor_list(tensor_list, "all_gather", "tensor_list", pg.size(), pg.transport.devices)
     checks.same_dtype("all_gather", inp.dtype, outs, "tensor_list")
     for i, o in enumerate(outs):
         checks.writable(o, "all_gather", f"tensor_list[{i}]")
@@ -189,7 +189,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
         return _uneven_all_gather(pg, outs, inp, async_op)
     ctx = pg.context("all_gather", dtype=inp.dtype, numel=inp.numel())
     src = inp.contiguous()
-    flat = torch.empty(pg.size() * inp.numel(), dtype=inp.dtype)
+    flat = torch.empty(pg.size() * inp.numel(), dtype=inp.dtype, device=inp.device)
 
     def fn() -> None:
         pg.transport.all_gather(src, flat, ctx)
@@ -204,7 +204,7 @@ def _uneven_all_gather(pg: ProcessGroup, outs: list[torch.Tensor], inp: torch.Te
     """Different sizes per rank: one broadcast per rank (every rank knows every size)."""
     works = []
     for r, o in enumerate(outs):
-        buf = inp.contiguous().clone() if r == pg.rank() else torch.empty(o.numel(), dtype=o.dtype)
+        buf = inp.contiguous().clone() if r == pg.rank() else torch.empty(o.numel(), dtype=o.dtype, device=o.device)
         ctx = pg.context("broadcast", dtype=o.dtype, numel=o.numel(), root=r)
 
         def fn(buf: torch.Tensor = buf, o: torch.Tensor = o, ctx: Any = ctx, r: int = r) -> None:
@@ -220,14 +220,14 @@ def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_te
     pg = resolve_group(group)
     if pg is None:
         return None
-    ins = checks.tensor_list(input_tensor_list, "all_gather_coalesced", "input_tensor_list")
+    ins = checks.tensor_list(input_tensor_list, "all_gather_coalesced", "input_tensor_list", None, pg.transport.devices)
     checks.same_dtype("all_gather_coalesced", ins[0].dtype, ins, "input_tensor_list")
     if len(output_tensor_lists) != pg.size():
         raise ValueError(f"all_gather_coalesced: output_tensor_lists: expected {pg.size()} lists, "
                          f"got {len(output_tensor_lists)}")
     flat_in = torch.cat([t.reshape(-1) for t in ins])
     n = flat_in.numel()
-    flat_out = torch.empty(pg.size() * n, dtype=flat_in.dtype)
+    flat_out = torch.empty(pg.size() * n, dtype=flat_in.dtype, device=flat_in.device)
     ctx = pg.context("all_gather", dtype=flat_in.dtype, numel=n)
 
     def fn() -> None:
@@ -247,8 +247,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
     if pg is None:
         return None
     name = "reduce_scatter_tensor"
-    out = checks.tensor(output, name, "output")
-    inp = checks.tensor(input, name, "input")
+    out = checks.tensor(output, name, "output", pg.transport.devices)
+    inp = checks.tensor(input, name, "input", pg.transport.devices)
     checks.writable(out, name, "output")
     if out.dtype != inp.dtype:
         raise TypeError(f"{name}: output: expected dtype {inp.dtype} (like input), got {out.dtype}")
@@ -273,8 +273,8 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any
     pg = resolve_group(group)
     if pg is None:
         return None
-    out = checks.tensor(output, "reduce_scatter", "output")
-    ins = checks.tensor_list(input_list, "reduce_scatter", "input_list", pg.size())
+    out = checks.tensor(output, "reduce_scatter", "output", pg.transport.devices)
+    ins = checks.tensor_list(input_list, "reduce_scatter", "input_list", pg.size(), pg.transport.devices)
     checks.same_dtype("reduce_scatter", out.dtype, ins, "input_list")
     for i, t in enumerate(ins):
         if t.numel() != out.numel():
@@ -291,8 +291,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     if pg is None:
         return None
     name = "all_to_all_single"
-    out = checks.tensor(output, name, "output")
-    inp = checks.tensor(input, name, "input")
+    out = checks.tensor(output, name, "output", pg.transport.devices)
+    inp = checks.tensor(input, name, "input", pg.transport.devices)
     checks.writable(out, name, "output")
     if out.dtype != inp.dtype:
         raise TypeError(f"{name}: output: expected dtype {inp.dtype} (like input), got {out.dtype}")
@@ -336,12 +336,12 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     pg = resolve_group(group)
     if pg is None:
         return None
-    ins = checks.tensor_list(input_tensor_list, "all_to_all", "input_tensor_list", pg.size())
-    outs = checks.tensor_list(output_tensor_list, "all_to_all", "output_tensor_list", pg.size())
+    ins = checks.tensor_list(input_tensor_list, "all_to_all", "input_tensor_list", pg.size(), pg.transport.devices)
+    outs = checks.tensor_list(output_tensor_list, "all_to_all", "output_tensor_list", pg.size(), pg.transport.devices)
     checks.same_dtype("all_to_all", ins[0].dtype, ins, "input_tensor_list")
     checks.same_dtype("all_to_all", ins[0].dtype, outs, "output_tensor_list")
     flat_in = torch.cat([t.reshape(-1) for t in ins])
-    flat_out = torch.empty(sum(o.numel() for o in outs), dtype=ins[0].dtype)
+    flat_out = torch.empty(sum(o.numel() for o in outs), dtype=ins[0].dtype, device=ins[0].device)
     in_b = [t.numel() * t.element_size() for t in ins]
     out_b = [t.numel() * t.element_size() for t in outs]
     ctx = pg.context("all_to_all", dtype=ins[0].dtype, numel=0)
@@ -361,11 +361,11 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     pg = resolve_group(group)
     if pg is None:
         return None
-    inp = checks.tensor(tensor, "gather", "tensor")
+    inp = checks.tensor(tensor, "gather", "tensor", pg.transport.devices)
     root = peer_rank(pg, dst, group_dst, "gather", "dst")
     outs: list[torch.Tensor] | None = None
     if pg.rank() == root:
-        outs = checks.tensor_list(gather_list, "gather", "gather_list", pg.size())
+        outs = checks.tensor_list(gather_list, "gather", "gather_list", pg.size(), pg.transport.devices)
         checks.same_dtype("gather", inp.dtype, outs, "gather_list")
         for i, o in enumerate(outs):
             if o.numel() != inp.numel():
@@ -374,7 +374,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
         raise ValueError("gather: gather_list: expected None on non-destination ranks, got a list")
     ctx = pg.context("gather", dtype=inp.dtype, numel=inp.numel(), root=root)
     src = inp.contiguous()
-    flat = torch.empty(pg.size() * inp.numel(), dtype=inp.dtype) if outs is not None else None
+    flat = torch.empty(pg.size() * inp.numel(), dtype=inp.dtype, device=inp.device) if outs is not None else None
 
     def fn() -> None:
         pg.transport.gather(src, flat, root, ctx)
@@ -391,12 +391,12 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     pg = resolve_group(group)
     if pg is None:
         return None
-    out = checks.tensor(tensor, "scatter", "tensor")
+    out = checks.tensor(tensor, "scatter", "tensor", pg.transport.devices)
     checks.writable(out, "scatter", "tensor")
     root = peer_rank(pg, src, group_src, "scatter", "src")
     flat = None
     if pg.rank() == root:
-        ins = checks.tensor_list(scatter_list, "scatter", "scatter_list", pg.size())
+        ins = checks.tensor_list(scatter_list, "scatter", "scatter_list", pg.size(), pg.transport.devices)
         checks.same_dtype("scatter", out.dtype, ins, "scatter_list")
         for i, t in enumerate(ins):
             if t.numel() != out.numel():

@@ -35,7 +35,7 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: 
     pg = resolve_group(group)
     if pg is None:
         return None
-    t = checks.tensor(tensor, "isend", "tensor")
+    t = checks.tensor(tensor, "isend", "tensor", pg.transport.devices)
     peer = peer_rank(pg, dst, group_dst, "send", "dst")
     if peer == pg.rank():
         raise ValueError(f"send: dst: expected a rank other than this rank ({pg.ranks[peer]})")
@@ -51,7 +51,7 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: 
     pg = resolve_group(group)
     if pg is None:
         return None
-    t = checks.tensor(tensor, "irecv", "tensor")
+    t = checks.tensor(tensor, "irecv", "tensor", pg.transport.devices)
     checks.writable(t, "irecv", "tensor")
     peer: int | None = None
     if src is not None or group_src is not None:

@@ -145,6 +145,7 @@ class Transport(abc.ABC):
     name: str = "?"
     rank: int
     world_size: int
+    devices: tuple[str, ...] = ("cpu",)   # device types whose tensors this transport serves
 
     @abc.abstractmethod
     def all_reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, ctx: OpContext) -> None:

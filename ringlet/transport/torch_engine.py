@@ -104,6 +104,7 @@ class TorchEngineTransport(Transport):
         self.rank = rank
         self.world_size = world_size
         self.pgs = pgs            # device type -> torch backend object
+        self.devices = tuple(pgs)
         # The engines call back into these Python stores later (NCCL connects lazily, at the first
         # collective): torch's trampoline needs the Python objects alive, so the transport keeps them.
         self._stores = stores
