@@ -20,11 +20,12 @@ from ringlet.errors import (
     PeerFailureError,
 )
 from ringlet.mesh import DeviceMesh, init_device_mesh
+from ringlet.parallel.ddp import GradBucket
 from ringlet.store import FileStore, HashStore, PrefixStore, Store, TCPStore
 
 __all__ = [
     *_c10d_all, "all_gather_single", "reduce_scatter_single", "DistError", "DistBackendError",
     "DistNetworkError", "DistStoreError", "CollectiveTimeoutError", "CollectiveMismatchError",
     "PeerFailureError", "GroupAbortedError", "TCPStore", "FileStore", "HashStore", "PrefixStore", "Store",
-    "DeviceMesh", "init_device_mesh",
+    "DeviceMesh", "init_device_mesh", "GradBucket",
 ]
