@@ -89,6 +89,7 @@ class ArenaTransport(Transport):
         self._flag_me = arena.flag_i[self.rank]
         self._ranks = list(range(n))
         self._verify = _env.fingerprint_checks()
+        self._peer_hdr = [[self._hdr_i[r][b] for r in arena.peers] for b in (0, 1)]
         self._entered_i = arena.ctrl(self.rank, C_ENTERED)
         self._done_i = arena.ctrl(self.rank, C_DONE)
         base = arena.u8.data_ptr()
@@ -119,15 +120,19 @@ class ArenaTransport(Transport):
     def _sync(self, s: int, fp: tuple[int, int, int], chunk: int, ctx: OpContext) -> None:
         """Publish round ``s`` with this rank's fingerprint, wait for all peers, check theirs."""
         q = self.q
-        h = self._hdr_i[self.rank][s & 1]
-        q[h + 1], q[h + 2], q[h + 3], q[h + 4] = fp[0], fp[1], fp[2], chunk
+        b = s & 1
+        f0, f1, f2 = fp
+        h = self._hdr_i[self.rank][b]
+        q[h + 1] = f0
+        q[h + 2] = f1
+        q[h + 3] = f2
+        q[h + 4] = chunk
         q[h] = s
         q[self._flag_me] = s
         self.arena.wait_all_step(s, ctx)
         if self._verify:
-            for r in self.arena.peers:
-                hr = self._hdr_i[r][s & 1]
-                if q[hr + 1] != fp[0] or q[hr + 2] != fp[1] or q[hr + 3] != fp[2] or q[hr + 4] != chunk:
+            for hr in self._peer_hdr[b]:
+                if q[hr + 1] != f0 or q[hr + 2] != f1 or q[hr + 3] != f2 or q[hr + 4] != chunk:
                     raise self._mismatch(s, ctx)
         self.step = s
 
