@@ -98,6 +98,9 @@ class ArenaTransport(Transport):
         self._scratch = np.empty(FAST_BYTES // 8, dtype=np.float64)
         self._scratch_addr = self._scratch.ctypes.data
         self._fast_ok = lay.slot_bytes >= FAST_BYTES
+        # (dtype, op) pairs the small-message path serves: numpy dtypes, AVG on floats only.
+        self._fast_combos = {(d, o) for d in _NP_DTYPES for o in _UFUNCS
+                             if o != RedOpType.AVG or d.is_floating_point} if self._fast_ok else set()
 
     def _fast_views(self, dtype: torch.dtype, k: int) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
         """numpy views of the first ``k`` elements of every slot (buffer 0, buffer 1) and of the scratch.
@@ -170,12 +173,12 @@ class ArenaTransport(Transport):
                 buf.mul_(1.0 if factor is None else factor)
             return
         dt = buf.dtype
-        self._enter(ctx)
-        if (self._fast_ok and dt in _NP_DTYPES and op in _UFUNCS
-                and buf.numel() * dt.itemsize <= FAST_BYTES
-                and (op != RedOpType.AVG or dt.is_floating_point)):
-            self._small_reduce(buf, op, root, ctx)
-            self._done(ctx)
+        self.q[self._entered_i] = ctx.seq
+        k = buf.numel()
+        nbytes = k * dt.itemsize
+        if nbytes <= FAST_BYTES and (dt, op) in self._fast_combos:
+            self._small_reduce(buf, op, root, ctx, k, nbytes)
+            self.q[self._done_i] = ctx.seq
             return
         flat = buf.view(-1)
         fp = ctx.fingerprint()
@@ -197,10 +200,9 @@ class ArenaTransport(Transport):
                 finish_(piece, op, n)
         self._done(ctx)
 
-    def _small_reduce(self, buf: torch.Tensor, op: RedOpType, root: int | None, ctx: OpContext) -> None:
+    def _small_reduce(self, buf: torch.Tensor, op: RedOpType, root: int | None, ctx: OpContext,
+                      k: int, nbytes: int) -> None:
         """One round: memmove in, flag, numpy reduce in rank order into scratch, memmove out."""
-        k = buf.numel()
-        nbytes = k * buf.element_size()
         s = self.step + 1
         b = s & 1
         ptr = buf.data_ptr()
@@ -208,8 +210,9 @@ class ArenaTransport(Transport):
         self._sync(s, ctx.fingerprint(), 0, ctx)
         if root is not None and root != self.rank:
             return
-        b0, b1, out = self._fast_views(buf.dtype, k)
-        slots = b1 if b else b0
+        views = self._fast.get((buf.dtype, k)) or self._fast_views(buf.dtype, k)
+        slots = views[b]
+        out = views[2]
         ufunc = _UFUNCS[op]
         token = _quiet()    # overflow to inf is a result, as in torch, not a warning
         try:
