@@ -91,3 +91,35 @@ def detail_mismatch(rank: int, n: int) -> None:
         dist.all_reduce(torch.ones(2, 3))
     else:
         dist.all_reduce(torch.ones(3, 2))
+
+
+def freeze_then_thaw(rank: int, n: int, t: float) -> tuple[str, float]:
+    """Rank 1 stops itself at its 3rd collective; rank 0 times out, then thaws it (SIGCONT).
+    The thawed rank must fail fast on the aborted group instead of carrying on."""
+    import signal
+
+    pids: list[Any] = [None] * n
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)      # frozen before its 3rd collective
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(4))
+        except Exception as e:
+            return type(e).__name__, time.monotonic() - t0
+        return "none", 0.0
+    try:
+        dist.all_reduce(torch.ones(4))
+    except Exception as e:
+        os.kill(pids[1], signal.SIGCONT)
+        return type(e).__name__, 0.0
+    return "none", 0.0
+
+
+def tagged_sum(rank: int, n: int, tag: float, steps: int) -> float:
+    t = torch.full((1000,), tag + rank)
+    for _ in range(steps):
+        dist.all_reduce(t)
+        t.fill_(tag + rank)
+    dist.all_reduce(t)
+    return float(t[0])

@@ -142,3 +142,33 @@ def test_detail_mode_reports_both_call_sites_of_a_shape_mismatch() -> None:
         assert r.exc_type == "CollectiveMismatchError", r.message
         assert "rank 0: all_reduce #2 float32[2x3]" in r.message and "rank 1: all_reduce #2 float32[3x2]" in r.message
         assert r.message.count("_workers.py:") >= 2, r.message
+
+
+@pytest.mark.timeout(60)
+def test_thawed_rank_fails_fast_instead_of_continuing() -> None:
+    res = _by_rank(run_world(2, _workers.freeze_then_thaw, T, op_timeout=T, timeout=30))
+    assert res[0].value[0] == "CollectiveTimeoutError", res[0]
+    etype, elapsed = res[1].value
+    assert etype in ("GroupAbortedError", "PeerFailureError"), res[1]
+    assert elapsed < 1.0
+
+
+@pytest.mark.timeout(90)
+def test_two_jobs_at_once_never_mix() -> None:
+    """RELIABILITY H1: two concurrent worlds on one machine share no keys, segments or ports."""
+    import threading
+
+    out: dict[str, object] = {}
+
+    def job(name: str, tag: float) -> None:
+        out[name] = run_world(2, _workers.tagged_sum, tag, 200, op_timeout=20.0, timeout=60)
+
+    threads = [threading.Thread(target=job, args=(name, tag)) for name, tag in (("a", 100.0), ("b", 1000.0))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(80)
+    assert all(not th.is_alive() for th in threads)
+    for name, tag in (("a", 100.0), ("b", 1000.0)):
+        values = [r.value for r in out[name]]  # type: ignore[attr-defined]
+        assert values == [2 * tag + 1] * 2, (name, out[name])

@@ -214,6 +214,8 @@ class Arena:
         q = self.q
         pending = [k for k in range(len(idx)) if q[idx[k]] < value]
         if not pending:
+            if q[H_ABORT]:   # peers may have arrived before the group was aborted: still refuse
+                raise self.aborted_error(ctx)
             return
         backoff = _Backoff(self, ctx)
         t0 = time.monotonic()
@@ -246,6 +248,8 @@ class Arena:
             if q[i] < step:
                 self.wait_ge(self._peer_flags, self.peers, step, ctx)
                 return
+        if q[H_ABORT]:   # a thawed or late rank must not complete a collective its peers gave up on
+            raise self.aborted_error(ctx)
 
     def _check_peers(self, ranks: Sequence[int], ctx: OpContext) -> None:
         for r in ranks:
