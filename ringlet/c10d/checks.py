@@ -9,7 +9,7 @@ import torch
 
 from ringlet.transport.base import DTYPE_CODES
 
-__all__ = ["Staged", "root", "same_dtype", "tensor", "tensor_list", "writable"]
+__all__ = ["Staged", "blocks", "root", "same_dtype", "tensor", "tensor_list", "writable"]
 
 _SUPPORTED = frozenset(DTYPE_CODES)
 
@@ -44,6 +44,15 @@ def same_dtype(op: str, want: torch.dtype, ts: list[torch.Tensor], arg: str) -> 
     for i, t in enumerate(ts):
         if t.dtype != want:
             raise TypeError(f"{op}: {arg}[{i}]: expected dtype {want} (like the input), got {t.dtype}")
+
+
+def blocks(big: torch.Tensor, big_arg: str, small: torch.Tensor, small_arg: str, n: int, op: str) -> None:
+    """``big`` must hold ``n`` blocks shaped like ``small`` (all_gather_into_tensor, reduce_scatter_tensor)."""
+    if big.dtype != small.dtype:
+        raise TypeError(f"{op}: {big_arg}: expected dtype {small.dtype} (like {small_arg}), got {big.dtype}")
+    if big.numel() != n * small.numel():
+        raise ValueError(f"{op}: {big_arg}: expected {n} x {small.numel()} = {n * small.numel()} elements "
+                         f"(world size x {small_arg}), got {big.numel()}")
 
 
 def root(r: Any, size: int, op: str, arg: str) -> int:

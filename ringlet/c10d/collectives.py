@@ -155,11 +155,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     inp = checks.tensor(input_tensor, op, "input_tensor", pg.transport.devices)
     out = checks.tensor(output_tensor, op, "output_tensor", pg.transport.devices)
     checks.writable(out, op, "output_tensor")
-    if out.dtype != inp.dtype:
-        raise TypeError(f"{op}: output_tensor: expected dtype {inp.dtype} (like input_tensor), got {out.dtype}")
-    if out.numel() != pg.size() * inp.numel():
-        raise ValueError(f"{op}: output_tensor: expected {pg.size()} x {inp.numel()} = "
-                         f"{pg.size() * inp.numel()} elements, got {out.numel()}")
+    checks.blocks(out, "output_tensor", inp, "input_tensor", pg.size(), op)
     ctx = pg.context("all_gather", dtype=inp.dtype, numel=inp.numel())
     src = inp.contiguous()
     st = Staged(out)
@@ -250,11 +246,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
     out = checks.tensor(output, name, "output", pg.transport.devices)
     inp = checks.tensor(input, name, "input", pg.transport.devices)
     checks.writable(out, name, "output")
-    if out.dtype != inp.dtype:
-        raise TypeError(f"{name}: output: expected dtype {inp.dtype} (like input), got {out.dtype}")
-    if inp.numel() != pg.size() * out.numel():
-        raise ValueError(f"{name}: input: expected {pg.size()} x {out.numel()} = {pg.size() * out.numel()} "
-                         f"elements (world size x output), got {inp.numel()}")
+    checks.blocks(inp, "input", out, "output", pg.size(), name)
     red, factor = resolve_op(op, name)
     check_op_dtype(red, out.dtype, name)
     ctx = pg.context("reduce_scatter", dtype=out.dtype, numel=out.numel(), redop=int(red))

@@ -98,6 +98,19 @@ def _as_tensor(data: bytes | None, size: int) -> torch.Tensor:
     return t
 
 
+def _exchange_sizes(pg: Any, obj: Any, data: bytes | None, op: str) -> list[int]:
+    """Every rank's payload size (or the failure marker), checked before anything is allocated;
+    this rank re-raises its own pickling error after the exchange, so peers never wait for it."""
+    sizes = torch.zeros(pg.size(), dtype=torch.int64)
+    C.all_gather_into_tensor(sizes, torch.tensor([len(data) if data is not None else _FAILED]), group=pg)
+    out = sizes.tolist()
+    if data is None:
+        _raise_own(obj, op)
+    for r, s in enumerate(out):
+        _size_check(s, r, op)
+    return out
+
+
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
     """Fill ``object_list`` (length = group size) with every rank's ``obj``."""
     pg = resolve_group(group)
@@ -107,16 +120,11 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
     if len(object_list) != n:
         raise ValueError(f"all_gather_object: object_list: expected {n} entries, got {len(object_list)}")
     data = _encode(obj)
-    sizes = torch.zeros(n, dtype=torch.int64)
-    C.all_gather_into_tensor(sizes, torch.tensor([len(data) if data is not None else _FAILED]), group=pg)
-    for r, s in enumerate(sizes.tolist()):
-        if data is None and r == pg.rank():
-            _raise_own(obj, "all_gather_object")
-        _size_check(s, r, "all_gather_object")
-    width = max(sizes.tolist())
+    sizes = _exchange_sizes(pg, obj, data, "all_gather_object")
+    width = max(sizes)
     out = torch.empty(n * width, dtype=torch.uint8)
     C.all_gather_into_tensor(out, _as_tensor(data, width), group=pg)
-    for r, s in enumerate(sizes.tolist()):
+    for r, s in enumerate(sizes):
         object_list[r] = _decode(out[r * width:r * width + s].numpy().tobytes(), pg.ranks[r], "all_gather_object")
 
 
@@ -132,18 +140,13 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
         raise ValueError(f"gather_object: object_gather_list: expected a list of {n} entries on the destination")
     # Sizes go to every rank so that a serialization failure is reported everywhere.
     data = _encode(obj)
-    sizes = torch.zeros(n, dtype=torch.int64)
-    C.all_gather_into_tensor(sizes, torch.tensor([len(data) if data is not None else _FAILED]), group=pg)
-    for r, s in enumerate(sizes.tolist()):
-        if data is None and r == pg.rank():
-            _raise_own(obj, "gather_object")
-        _size_check(s, r, "gather_object")
-    width = max(sizes.tolist())
+    sizes = _exchange_sizes(pg, obj, data, "gather_object")
+    width = max(sizes)
     is_root = pg.rank() == root
     outs = [torch.empty(width, dtype=torch.uint8) for _ in range(n)] if is_root else None
     C.gather(_as_tensor(data, width), outs, group=pg, group_dst=root)
     if outs is not None and object_gather_list is not None:
-        for r, s in enumerate(sizes.tolist()):
+        for r, s in enumerate(sizes):
             object_gather_list[r] = _decode(outs[r][:s].numpy().tobytes(), pg.ranks[r], "gather_object")
 
 
