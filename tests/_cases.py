@@ -269,6 +269,16 @@ def edges(c: Checker) -> None:
     rs = torch.empty(50_001, dtype=torch.float32)
     rdist.reduce_scatter_tensor(rs, torch.ones(n * 50_001))
     c.same("reduce_scatter chunked", rs, torch.full((50_001,), float(n)))
+    # in place: the output is this rank's block of the input (as FSDP-style callers pass it);
+    # (integer-valued floats: exact in any fold order, which differs across hosts)
+    for op in ("SUM", "MAX", "PREMUL_SUM"):
+        xs = [torch.randint(-50, 50, (n * 50_001,), generator=torch.Generator().manual_seed(100 + r)).float()
+              for r in range(n)]
+        mine = xs[rank].clone()
+        blk = mine[rank * 50_001:(rank + 1) * 50_001]
+        rdist.reduce_scatter_tensor(blk, mine, op=rop(op))
+        c.same(f"reduce_scatter in place {op}", blk,
+               ref_reduce([x[rank * 50_001:(rank + 1) * 50_001] for x in xs], op))
     bc = torch.full((200_003,), float(rank), dtype=torch.float32)
     rdist.broadcast(bc, src=1)
     c.same("broadcast chunked", bc, torch.full((200_003,), 1.0))

@@ -306,7 +306,8 @@ def hier_fake_hosts(rank: int, n: int, layouts: list[list[str]]) -> list[str]:
             for case, (numel, dtype, op) in enumerate(
                     [(7, torch.float32, RedOpType.SUM), (70_001, torch.float32, RedOpType.SUM),
                      (70_001, torch.bfloat16, RedOpType.AVG), (300_000, torch.float64, RedOpType.PREMUL_SUM),
-                     (70_001, torch.float32, RedOpType.MAX), (70_001, torch.int64, RedOpType.PRODUCT)]):
+                     (70_001, torch.float32, RedOpType.MAX), (70_001, torch.int64, RedOpType.PRODUCT),
+                     (300_000, torch.float32, RedOpType.SUM), (1_200_002, torch.float32, RedOpType.MIN)]):
                 xs = [_data(r, case, numel, dtype) if dtype.is_floating_point
                       else torch.randint(-3, 4, (numel,), generator=torch.Generator().manual_seed(r))
                       for r in range(n)]

@@ -19,7 +19,8 @@ from ringlet.errors import DistNetworkError
 from ringlet.testing.procs import raise_first, run_world
 from ringlet.transport import _tcp_wire as wire
 from ringlet.transport._tcp_algos import TcpAlgos, order_free, split_blocks
-from ringlet.transport.hierarchical import HostPlan, plan_hosts
+from ringlet.transport.arena import SPIN_ITERS, Arena, ArenaLayout, usable_cpus
+from ringlet.transport.hierarchical import HostPlan, plan_hosts, same_kernel
 from ringlet.transport.reduce import RedOpType
 from ringlet.transport.tcp import choose_address
 
@@ -60,6 +61,22 @@ def test_plans_blocks_and_order() -> None:
     assert not order_free(RedOpType.SUM, torch.float32, 3)
     assert order_free(RedOpType.SUM, torch.int64, 5) and order_free(RedOpType.BXOR, torch.int8, 3)
     assert not order_free(RedOpType.MAX, torch.bfloat16, 3)
+
+
+@pytest.mark.timeout(30)
+def test_simulated_hosts_on_one_kernel_share_its_cpus() -> None:
+    """Shared-memory waits spin only when every rank on this kernel has a CPU: network namespaces
+    posing as hosts share the machine's cores, so their ranks count together."""
+    keys = ["h/4026531840/1b2c3d4e", "h/4026531840/1b2c3d4e", "h/4026532001/1b2c3d4e",
+            "h/4026532001/1b2c3d4e", "other/4026531840/99aa77ff"]
+    assert [same_kernel(keys, r) for r in range(5)] == [4, 4, 4, 4, 1]
+    assert same_kernel(["a/1/?", "b/1/?"], 0) == 1        # unknown boot id: only the host key counts
+    layout = ArenaLayout(2, 4096, 4096)
+    arena = Arena(bytearray(layout.total), layout, 0, alive=lambda r: True, describe_peer=str)
+    arena.share_cpus(2 * usable_cpus())
+    assert arena.spin_iters == 0
+    arena.share_cpus(1)
+    assert arena.spin_iters == SPIN_ITERS
 
 
 @pytest.mark.timeout(30)

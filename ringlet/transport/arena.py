@@ -54,10 +54,19 @@ C_STEP, C_PID, C_DEPARTED, C_ENTERED, C_DONE = 0, 8, 9, 10, 11
 
 # Spin before backing off: a flag round trip between two processes costs ~0.7 us
 # (DESIGN.md); a wake-up from sleep ~70 us.  Spinning is skipped when ranks
-# outnumber cores, where it would steal the CPU from the rank being waited on.
+# outnumber cores, where it would steal the CPU from the rank being waited on
+# (``Arena.share_cpus``: ranks of other groups on the same kernel count too).
 SPIN_ITERS = 400
 LIVENESS_PERIOD = 0.05    # seconds between liveness checks of waited-on peers
 MAX_SLEEP = 1e-3
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where unknown)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _align(n: int) -> int:
@@ -145,10 +154,16 @@ class Arena:
         self.flag_i = [(layout.ctrl_off + r * CTRL_BYTES) // 8 for r in range(n)]
         self.peers = [r for r in range(n) if r != rank]
         self._peer_flags = [self.flag_i[r] for r in self.peers]
-        self.spin_iters = SPIN_ITERS if n <= (os.cpu_count() or 1) else 0
+        self.spin_iters = 0
+        self.share_cpus(n)
         self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self.wait_s = 0.0                   # time spent in the slow path of waits
         self.late_s: dict[int, float] = {}  # of which, per rank that arrived last
+
+    def share_cpus(self, busy_ranks: int) -> None:
+        """Spin only if ``busy_ranks`` (the ranks of the job on this kernel: the arena's, or more
+        when simulated hosts share one machine) fit this process's CPUs; else back off at once."""
+        self.spin_iters = SPIN_ITERS if busy_ranks <= usable_cpus() else 0
 
     # -- header / control fields -------------------------------------------------
     def init_header(self, creator: int) -> None:

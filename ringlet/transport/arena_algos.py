@@ -63,6 +63,17 @@ _UFUNCS = {
 }
 
 
+def _foldable_in_place(fi: torch.Tensor, fo: torch.Tensor, me: int, n: int, N: int) -> bool:
+    """Whether reduce-scatter may fold block ``me`` of ``fi`` straight into ``fo``: they do not
+    overlap, or ``fo`` *is* that block and it comes first in the fold (or is one of two)."""
+    size = fo.element_size()
+    lo, hi = fi.data_ptr(), fi.data_ptr() + fi.numel() * size
+    olo, ohi = fo.data_ptr(), fo.data_ptr() + N * size
+    if ohi <= lo or olo >= hi:
+        return True
+    return olo == lo + me * N * size and (me == 0 or n == 2)
+
+
 def _chunks(total: int, cap: int) -> Iterator[tuple[int, int, int]]:
     """(index, offset, count) pieces of ``total`` items, at least one (a 0-item round still syncs)."""
     if total <= cap:
@@ -285,7 +296,9 @@ class ArenaTransport(Transport):
             if fo is not None:
                 for r in self._ranks:
                     src = fi[off:off + c] if r == me else a.slot(r, b, dt)[:c]
-                    fo[r * N + off:r * N + off + c].copy_(src)
+                    dst = fo[r * N + off:r * N + off + c]
+                    if dst.data_ptr() != src.data_ptr():     # the input may be its own block of out
+                        dst.copy_(src)
         self._done(ctx)
 
     def _small_gather(self, fi: torch.Tensor, fo: torch.Tensor | None, nbytes: int, ctx: OpContext) -> None:
@@ -341,15 +354,22 @@ class ArenaTransport(Transport):
             self._done(ctx)
             return
         sub = self._cap(dt) // n
+        # Only this rank reads its own block: fold it from the input instead of a copy in the
+        # arena when that copy would be exact and folding cannot overwrite it before it is read.
+        own_direct = op != RedOpType.PREMUL_SUM and _foldable_in_place(fi, fo, me, n, N)
         for k, off, c in _chunks(N, sub):
             s = self.step + 1
             b = s & 1
             mine = a.slot(me, b, dt)
             for r in self._ranks:
-                prepare_contribution(fi[r * N + off:r * N + off + c], mine[r * sub:r * sub + c], op, factor)
+                if r != me or not own_direct:
+                    prepare_contribution(fi[r * N + off:r * N + off + c], mine[r * sub:r * sub + c], op, factor)
             self._sync(s, fp, k, ctx)
             piece = fo[off:off + c]
-            combine_(piece, [a.slot(r, b, dt)[me * sub:me * sub + c] for r in self._ranks], op)
+            parts = [a.slot(r, b, dt)[me * sub:me * sub + c] for r in self._ranks]
+            if own_direct:
+                parts[me] = fi[me * N + off:me * N + off + c]
+            combine_(piece, parts, op)
             finish_(piece, op, n)
         self._done(ctx)
 

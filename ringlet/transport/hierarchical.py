@@ -43,7 +43,7 @@ from ringlet.transport.reduce import RedOpType, finish_, prepare_contribution
 from ringlet.transport.shm import ShmTransport
 from ringlet.transport.tcp import TcpTransport
 
-__all__ = ["HierarchicalTransport", "HostPlan", "plan_hosts"]
+__all__ = ["HierarchicalTransport", "HostPlan", "plan_hosts", "same_kernel"]
 
 # Shared-memory steps get this much longer than the operation's deadline: when a rank waits on
 # the network, its host-mates wait on it; letting it time out first means they fail with its
@@ -83,6 +83,23 @@ class HostPlan:
 def _bind(fn: Callable[..., None], *args: Any) -> Callable[[OpContext], None]:
     """``ctx -> fn(*args, ctx)``: a shared-memory step for ``HierarchicalTransport._shm``."""
     return lambda ctx: fn(*args, ctx)
+
+
+def same_kernel(host_keys: list[str], rank: int) -> int:
+    """How many ranks share ``rank``'s kernel, hence its CPUs: simulated hosts (network namespaces)
+    differ in their host keys but not in the boot id that ends them (``rendezvous.host_key``).
+
+    Example::
+
+        >>> same_kernel(["a/1/b00t", "a/1/b00t", "a/2/b00t", "c/1/0ther"], 0)
+        3
+    """
+    def kernel(key: str) -> str:
+        boot = key.rsplit("/", 1)[-1]
+        return key if boot in ("", "?") else boot
+
+    mine = kernel(host_keys[rank])
+    return sum(kernel(k) == mine for k in host_keys)
 
 
 def plan_hosts(host_keys: list[str], rank: int) -> HostPlan:
@@ -128,6 +145,7 @@ class HierarchicalTransport(Transport):
         except BaseException:
             local.close()
             raise
+        local.arena.share_cpus(same_kernel(host_keys, rank))
         return cls(rank, plan, local, tcp)
 
     def __repr__(self) -> str:
@@ -178,7 +196,11 @@ class HierarchicalTransport(Transport):
         pending: list[tuple[concurrent.futures.Future[None], torch.Tensor, int, int]] = []
         try:
             for o, c in segments:      # segment k's shm steps overlap segment k-1's network step
-                mine = torch.empty(c // L, dtype=flat.dtype)
+                # This rank's block of the segment is reduced straight into its place in ``out``
+                # (which may be the input: the shm reduce-scatter folds that block in place), goes
+                # through the column there, and the host all-gather leaves it where it is.
+                B = c // L
+                mine = out[o + p.local * B:o + (p.local + 1) * B]
                 piece = padded[o:o + c]
                 self._shm(ctx, _bind(self.local.reduce_scatter, piece, mine, base, None))
                 pending.append((self._net.submit(self._column, mine, base, op, ctx), mine, o, c))
