@@ -92,6 +92,92 @@ def hier_vs_flat(rank: int, n: int) -> list[str]:
     return bad
 
 
+def _socket_fds() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                count += 1
+        except OSError:
+            pass
+    return count
+
+
+def shared_connection(rank: int, n: int) -> dict[str, Any]:
+    """One connection per pair carries collectives and point-to-point messages in both orders:
+    a message queued behind an operation's frames, frames queued behind a message nobody has
+    received yet, a receive from any rank, and concurrent big exchanges on two threads (8 MiB:
+    beyond the socket buffers, so flow control holds the senders)."""
+    out: dict[str, Any] = {}
+    before = _socket_fds()
+    g = dist.new_group(list(range(n)), backend="tcp")
+    out["sockets_added"] = _socket_fds() - before
+    big = 2 * 1024 * 1024                     # float32 elements: 8 MiB
+    peer = 1 - rank if rank < 2 else None
+    # (a) rank 0's all_reduce frames reach rank 1 before its message; rank 1 receives the message
+    # first, and only then joins the all_reduce
+    t = torch.full((big,), float(rank + 1))
+    msg = torch.full((1000,), 7.0)
+    if rank == 0:
+        work = dist.all_reduce(t, group=g, async_op=True)
+        dist.send(msg, 1, group=g)
+        work.wait()
+    elif rank == 1:
+        got = torch.empty(1000)
+        time.sleep(0.3)                          # the frames are there before the receive
+        dist.recv(got, 0, group=g)
+        out["a_msg"] = bool(torch.equal(got, msg))
+        dist.all_reduce(t, group=g)
+    else:
+        dist.all_reduce(t, group=g)
+    out["a_sum"] = bool(torch.equal(t, torch.full((big,), float(n * (n + 1) // 2))))
+    # (b) a big message goes first; the receiver runs an all_reduce before receiving it
+    payload = torch.arange(big, dtype=torch.float32)
+    u = torch.full((big,), 1.0)
+    if rank == 0:
+        w = dist.isend(payload, 1, group=g)
+        dist.all_reduce(u, group=g)
+        w.wait()
+    elif rank == 1:
+        dist.all_reduce(u, group=g)
+        got = torch.empty(big)
+        dist.recv(got, 0, group=g)
+        out["b_msg"] = bool(torch.equal(got, payload))
+    else:
+        dist.all_reduce(u, group=g)
+    out["b_sum"] = bool(torch.equal(u, torch.full((big,), float(n))))
+    # (c) a receive from any rank while frames of the next all_reduce are already coming
+    v = torch.full((big,), 2.0)
+    if rank == 0:
+        got = torch.empty(10)
+        src = dist.recv(got, None, group=g)
+        out["c_src"] = (src, bool(torch.equal(got, torch.full((10,), 3.0))))
+        dist.all_reduce(v, group=g)
+    else:
+        if rank == n - 1:
+            dist.send(torch.full((10,), 3.0), 0, group=g)
+        dist.all_reduce(v, group=g)
+    out["c_sum"] = bool(torch.equal(v, torch.full((big,), 2.0 * n)))
+    # (d) big exchanges both ways on p2p threads while the main thread runs all_reduces
+    if peer is not None:
+        mine = torch.full((big,), float(rank))
+        theirs = torch.empty(big)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer, g),
+                                        dist.P2POp(dist.irecv, theirs, peer, g)])
+    sums = []
+    for i in range(3):
+        x = torch.full((300_000,), float(i + rank))
+        dist.all_reduce(x, group=g)
+        sums.append(float(x[0]))
+    if peer is not None:
+        for w in works:
+            w.wait()
+        out["d_msg"] = bool(torch.equal(theirs, torch.full((big,), float(peer))))
+    out["d_sums"] = sums == [float(n * i + n * (n - 1) // 2) for i in range(3)]
+    dist.destroy_process_group(g)
+    return out
+
+
 def token_mismatch(rank: int, n: int) -> tuple[str, str]:
     """Rank 1 presents another run token to a new tcp group: refused, named, on both sides."""
     os.environ["RINGLET_STORE_TOKEN"] = "right-token" if rank != 1 else "wrong-token"

@@ -191,6 +191,18 @@ def test_every_collective_over_tcp(n: int) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_one_connection_per_pair_carries_collectives_and_messages_in_any_order() -> None:
+    res = raise_first(run_world(3, _tcp_workers.shared_connection, backend="tcp", timeout=100, op_timeout=20))
+    for r, got in enumerate(res):
+        assert got["sockets_added"] == 2, (r, got)            # one per peer, 3 ranks
+        assert got["a_sum"] and got["b_sum"] and got["c_sum"] and got["d_sums"], (r, got)
+        if r < 2:
+            assert got["d_msg"], (r, got)
+    assert res[1]["a_msg"] and res[1]["b_msg"]
+    assert res[0]["c_src"] == (2, True)
+
+
+@pytest.mark.timeout(120)
 def test_random_floats_bit_identical_to_shm_with_tiny_chunks() -> None:
     """3 ranks: floating-point results equal shm's bit for bit (same rank order), with 4 KiB
     pipelining chunks so that every large path runs dozens of chunks."""

@@ -2,10 +2,9 @@
 
 Every rank listens on port 0 of its address, publishes ``host:port`` (and pid,
 hostname) under ``tcp/addr/<rank>`` in the group's store, then connects to every
-lower rank and accepts every higher one -- two connections per pair, channel 0
-for collectives and channel 1 for point-to-point (so that a large ``isend``
-waiting for its reader never stalls a collective, and each stream has a single
-reader and a single writer).  See [Note: tcp handshake] in ``_tcp_wire``.  The
+lower rank and accepts every higher one: one connection per pair of ranks, which
+carries collectives and point-to-point messages alike ([Note: tcp routing] in
+``_tcp_link``).  See [Note: tcp handshake] in ``_tcp_wire``.  The
 listener is closed as soon as the mesh is complete: nothing stays open to
 strangers.  The order (connect down, then accept up) cannot deadlock: rank 0
 accepts at once, and every rank's connects only need lower ranks, which accept
@@ -39,36 +38,33 @@ HANDSHAKE_S = 5.0     # an accepted connection must finish its handshake within 
 # (measured on loopback here: 1 MiB all_reduce 1.1 ms with it, 2.2-3.0 ms without, noisy box).
 # The kernel caps it at net.core.wmem_max; receive buffers stay autotuned (up to tcp_rmem's max).
 SNDBUF = 4 << 20
-CHANNELS = (0, 1)     # 0: collectives, 1: point-to-point
+CHANNELS = (0,)       # the handshake names a channel; one connection per pair uses channel 0
 
 
 @dataclasses.dataclass(eq=False)
 class Peer:
-    """One remote rank of the group and its two connections."""
+    """One remote rank of the group and its connection."""
 
     rank: int                       # group rank
     host: str                       # the address it published (and connects from)
     port: int
     pid: int
     hostname: str
-    sock: socket.socket             # channel 0: collectives
-    psock: socket.socket            # channel 1: point-to-point
+    sock: socket.socket             # collectives and point-to-point messages
     tx_broken: bool = False         # a frame was cut mid-way: the stream is out of step
-    gone: str | None = None         # "bye" (left the group) or "eof" (closed) once seen
+    gone: str | None = None         # "bye" (left the group), "eof" (closed), "reset ..." once seen
 
     def __post_init__(self) -> None:
         self.fd = self.sock.fileno()
-        self.pfd = self.psock.fileno()
 
     def where(self) -> str:
         return f"pid {self.pid} at {self.host}:{self.port} on host {self.hostname}"
 
     def close(self) -> None:
-        for s in (self.sock, self.psock):
-            try:
-                s.close()
-            except OSError:
-                pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass
 
 
 def _bind_listener(host: str, group: str) -> socket.socket:
@@ -136,8 +132,7 @@ def build_mesh(store: Any, rank: int, world_size: int, timeout: float, group: st
             info = infos[r]
             for ch in CHANNELS:
                 _tune(socks[(r, ch)])
-            peers[r] = Peer(r, info["host"], info["port"], info["pid"], info["hostname"],
-                            socks[(r, 0)], socks[(r, 1)])
+            peers[r] = Peer(r, info["host"], info["port"], info["pid"], info["hostname"], socks[(r, 0)])
     return peers
 
 

@@ -17,7 +17,8 @@ carries the reason (utf-8) as payload; BYE says that the sender left the group.
 
 [Note: tcp handshake]
 Connections are made once, when the group is built: rank ``r`` connects to every
-rank below it, twice (channel 0 for collectives, 1 for point-to-point).  The
+rank below it, once (channel 0; the field is kept so that a future protocol can add
+connections without a new handshake).  The
 acceptor speaks first (magic, version, its rank, a random nonce); the connector
 answers with its claimed rank, the rank it wants, the channel, its own nonce and
 ``HMAC-SHA256(token, "c" | acceptor nonce | group id | ranks | channel)``; the

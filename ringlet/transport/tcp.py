@@ -1,4 +1,4 @@
-"""The ``tcp`` transport: ranks anywhere, one authenticated connection per peer pair and purpose.
+"""The ``tcp`` transport: ranks anywhere, one authenticated connection per pair of ranks.
 
 How it fits together:
 
@@ -9,11 +9,14 @@ How it fits together:
 - ``_tcp_algos``: the reducing collectives ([Note: tcp reduction order]); ``_tcp_moves``: the
   data-movement ones.
 
+- ``_tcp_link``: the reader thread that routes every incoming frame to its owner
+  ([Note: tcp routing]) and the per-connection send locks.
+
 This module holds the transport object: collectives delegate to the algorithms,
-point-to-point messages use the second connection of each pair (one frame per
-message, ordered, checked against the receiver's tag and size before the payload
-is read), and ``abort``/``close`` tell the peers (ABORT and BYE frames) so that
-they fail at once instead of at their deadline.
+point-to-point messages travel on the same connection (one P2P frame per message,
+ordered, checked against the receiver's tag and size before the payload is read),
+and ``abort``/``close`` tell the peers (ABORT and BYE frames) so that they fail at
+once instead of at their deadline.
 
 Example (what ``init_process_group(backend="tcp")`` does for each group)::
 
@@ -24,7 +27,6 @@ Example (what ``init_process_group(backend="tcp")`` does for each group)::
 from __future__ import annotations
 
 import os
-import select
 import socket
 import threading
 import time
@@ -41,11 +43,13 @@ from ringlet.errors import (
     GroupAbortedError,
 )
 from ringlet.transport._tcp_algos import TcpAlgos, mv
+from ringlet.transport._tcp_link import Want
 from ringlet.transport._tcp_mesh import Peer, build_mesh
-from ringlet.transport._tcp_pump import HSIZE, Pump, peer_lost
+from ringlet.transport._tcp_pump import Pump, peer_lost
 from ringlet.transport._tcp_wire import (
     ABORT,
     BYE,
+    HEADER,
     MAX_REASON,
     P2P,
     header,
@@ -101,8 +105,9 @@ class TcpTransport(Transport):
         self.peers = peers
         self.host = host
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self.pump = Pump(rank, peers, self._wake_r)
+        self.pump = Pump(rank, peers, self._wake_r, self._wake_w)
         self.pump.abort_hook = self._send_aborts
         self.algos = TcpAlgos(self.pump, rank, world_size, _env.tcp_chunk_bytes(), host_keys)
         self._p2p_tx = dict.fromkeys(peers, 0)
@@ -183,99 +188,85 @@ class TcpTransport(Transport):
         idx = self._p2p_tx[dst]
         self._p2p_tx[dst] = idx + 1
         frame = [memoryview(header(P2P, tag, len(data), 0, idx & 0xFFFFFFFF, len(data))), data]
-        while frame:
-            self._check_aborted(ctx)
-            try:
-                n = p.psock.sendmsg(frame)
-            except BlockingIOError:
-                self._wait_io(p, select.POLLOUT, ctx, "to take the message")
-                continue
-            except OSError as e:
-                raise peer_lost(ctx, p, e, "point-to-point") from None
-            while frame and n >= len(frame[0]):
-                n -= len(frame.pop(0))
-            if frame:
-                frame[0] = frame[0][n:]
+
+        def stopped() -> BaseException:
+            return self._p2p_problem(p, ctx) or ctx.error(
+                CollectiveTimeoutError, f"timed out waiting for rank {dst} ({p.where()}) to take the "
+                "message over tcp", missing=[dst], peer=dst, host=p.host)
+        self.pump.link.send_frame(dst, frame, ctx.deadline, lambda: self._p2p_problem(p, ctx) is not None,
+                                  stopped, lambda e: peer_lost(ctx, p, e, "point-to-point"))
 
     def recv(self, buf: torch.Tensor, src: int | None, tag: int, ctx: OpContext) -> int:
         if src is None:
             src = self._wait_any_source(ctx)
-        else:
-            if not self._rx_locks[src].acquire(timeout=max(ctx.deadline - time.monotonic(), 0.0)):
-                raise ctx.error(CollectiveTimeoutError, f"timed out waiting for another receive from rank {src}")
+        elif not self._rx_locks[src].acquire(timeout=max(ctx.deadline - time.monotonic(), 0.0)):
+            raise ctx.error(CollectiveTimeoutError, f"timed out waiting for another receive from rank {src}")
+        link = self.pump.link
         try:
             p = self.peers[src]
             data = mv(buf)
             idx = self._p2p_rx[src]
-            want = header(P2P, tag, len(data), 0, idx & 0xFFFFFFFF, len(data))
-            got = self._read(p, memoryview(bytearray(HSIZE)), ctx)
-            if bytes(got) != want:
-                _m, _kind, gtag, gbytes, _n, _idx, _nb = parse_header(bytes(got))
-                p.gone = p.gone or "desync"
+            w = Want(src, header(P2P, tag, len(data), 0, idx & 0xFFFFFFFF, len(data)), data, None)
+            link.want_p2p(w)
+            with link.cv:
+                while not w.finished:
+                    problem = self._p2p_problem(p, ctx)
+                    remaining = ctx.deadline - time.monotonic()
+                    if problem is None and remaining <= 0:
+                        problem = ctx.error(CollectiveTimeoutError, f"timed out waiting for rank {src} "
+                                            f"({p.where()}) to send its message over tcp", missing=[src],
+                                            peer=src, host=p.host)
+                    if problem is not None:
+                        link.withdraw(w)
+                        raise problem
+                    link.cv.wait(min(remaining, 0.05))
+            if not w.ok:
+                _m, _kind, gtag, gbytes, _n, _idx, _nb = parse_header(w.header or bytes(HEADER.size))
+                with link.cv:
+                    link.desync.add(src)
                 raise ctx.error(CollectiveMismatchError,
                                 f"rank {src} sent a message of {gbytes} bytes with tag {gtag}, but rank "
                                 f"{self.rank} expected {len(data)} bytes with tag {tag}", peer=src)
-            self._read(p, data, ctx)
+            w.settle()
             self._p2p_rx[src] = idx + 1
             return src
         finally:
             self._rx_locks[src].release()
 
-    def _read(self, p: Peer, view: memoryview, ctx: OpContext) -> memoryview:
-        got = 0
-        while got < len(view):
-            self._check_aborted(ctx)
-            try:
-                n = p.psock.recv_into(view[got:])
-            except BlockingIOError:
-                self._wait_io(p, select.POLLIN, ctx, "to send its message")
-                continue
-            except OSError as e:
-                raise peer_lost(ctx, p, e, "point-to-point") from None
-            if n == 0:
-                raise peer_lost(ctx, p, None, "point-to-point")
-            got += n
-        return view
-
-    def _wait_io(self, p: Peer, events: int, ctx: OpContext, what: str) -> None:
-        poller = select.poll()
-        poller.register(p.pfd, events)
-        poller.register(self._wake_r, select.POLLIN)
-        remaining = ctx.deadline - time.monotonic()
-        if remaining <= 0 or not poller.poll(remaining * 1000.0):
-            raise ctx.error(CollectiveTimeoutError, f"timed out waiting for rank {p.rank} ({p.where()}) "
-                            f"{what} over tcp", missing=[p.rank], peer=p.rank, host=p.host)
+    def _p2p_problem(self, p: Peer, ctx: OpContext) -> DistBackendError | None:
+        """Why a point-to-point operation with ``p`` cannot go on (None: it can)."""
+        if self.pump.aborted is not None:
+            return ctx.error(GroupAbortedError, f"the group was aborted on this rank: {self.pump.aborted}")
+        reason = self.pump.link.aborted_by.get(p.rank)
+        if reason is not None:
+            return ctx.error(GroupAbortedError, f"the group was aborted by rank {p.rank} ({p.where()}): {reason}",
+                             aborted_by=p.rank, peer=p.rank)
+        if p.rank in self.pump.link.desync:
+            return ctx.error(CollectiveMismatchError, f"the stream from rank {p.rank} ({p.where()}) is out "
+                             "of step after an earlier error", peer=p.rank)
+        if p.gone is not None:
+            return peer_lost(ctx, p, None, "point-to-point")
+        return None
 
     def _wait_any_source(self, ctx: OpContext) -> int:
         """The lowest rank with a message waiting; returns with that rank's receive lock held."""
-        while True:
-            self._check_aborted(ctx)
-            poller = select.poll()
-            for p in self.peers.values():
-                poller.register(p.pfd, select.POLLIN)
-            poller.register(self._wake_r, select.POLLIN)
-            remaining = ctx.deadline - time.monotonic()
-            ready = poller.poll(remaining * 1000.0) if remaining > 0 else []
-            if not ready:
-                raise ctx.error(CollectiveTimeoutError, f"timed out waiting for a message from any of ranks "
-                                f"{sorted(self.peers)}", missing=sorted(self.peers))
-            fds = {fd for fd, _ in ready}
-            for r, p in sorted(self.peers.items()):
-                if p.pfd in fds and self._rx_locks[r].acquire(blocking=False):
-                    try:
-                        peek = p.psock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                    except BlockingIOError:
-                        self._rx_locks[r].release()     # another receive took it first
-                        continue
-                    except OSError:
-                        peek = b""
-                    del peek
-                    return r
-            time.sleep(0.001)    # the readable ones are being read by another receive
-
-    def _check_aborted(self, ctx: OpContext) -> None:
-        if self.pump.aborted is not None:
-            raise ctx.error(GroupAbortedError, f"the group was aborted on this rank: {self.pump.aborted}")
+        link = self.pump.link
+        with link.cv:
+            link.any_waiting(+1)
+            try:
+                while True:
+                    if self.pump.aborted is not None:
+                        raise ctx.error(GroupAbortedError, f"the group was aborted on this rank: {self.pump.aborted}")
+                    r = link.take_any()
+                    if r is not None and self._rx_locks[r].acquire(blocking=False):
+                        return r
+                    remaining = ctx.deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise ctx.error(CollectiveTimeoutError, f"timed out waiting for a message from any of "
+                                        f"ranks {sorted(self.peers)}", missing=sorted(self.peers))
+                    link.cv.wait(min(remaining, 0.05))
+            finally:
+                link.any_waiting(-1)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def wait_stats(self) -> tuple[float, dict[int, float]]:
@@ -293,6 +284,8 @@ class TcpTransport(Transport):
                 pass
             if not self.pump.active:
                 self._send_aborts()
+        with self.pump.link.cv:
+            self.pump.link.cv.notify_all()       # point-to-point waiters look at the flag
 
     def _send_aborts(self) -> None:
         """Best effort, never blocking: an ABORT frame where the stream is in step, else a shutdown."""
@@ -301,30 +294,36 @@ class TcpTransport(Transport):
         self._aborts_sent = True
         reason = (self.pump.aborted or "aborted").encode("utf-8", "replace")[:MAX_REASON]
         frame = header(ABORT, 0, 0, 0, 0, len(reason)) + reason
-        for p in self.peers.values():
+        for r, p in self.peers.items():
+            lock = self.pump.link.tx[r]
+            held = lock.acquire(timeout=0.2)    # a point-to-point frame in flight stops within 50 ms
             try:
-                if p.tx_broken or p.sock.send(frame) != len(frame):
+                if not held or p.tx_broken or p.sock.send(frame) != len(frame):
                     p.tx_broken = True
                     p.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            try:
-                p.psock.shutdown(socket.SHUT_RDWR)   # peers blocked in a receive from us: EOF now
-            except OSError:
-                pass
+            finally:
+                if held:
+                    lock.release()
 
     def close(self) -> None:
         """Say BYE to every peer (so a waiting peer reports 'left the group'), close; never blocks."""
         if self._closed:
             return
         self._closed = True
+        self.pump.link.close()
         bye = header(BYE, 0, 0, 0, 0, 0)
-        for p in self.peers.values():
-            if not p.tx_broken and self.pump.aborted is None:
+        for r, p in self.peers.items():
+            lock = self.pump.link.tx[r]
+            if lock.acquire(timeout=0.1):
                 try:
-                    p.sock.send(bye)
+                    if not p.tx_broken and self.pump.aborted is None:
+                        p.sock.send(bye)
                 except OSError:
                     pass
+                finally:
+                    lock.release()
             p.close()
         for fd in (self._wake_r, self._wake_w):
             try:

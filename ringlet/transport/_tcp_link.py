@@ -1,0 +1,595 @@
+"""The ``tcp`` transport's connections: one per pair of ranks, carrying every kind of frame.
+
+[Note: tcp routing]
+Collectives and point-to-point messages share one connection per pair of ranks.  Exactly one
+thread reads the connections at a time (it holds ``Link.rd``):
+
+- while a collective runs, its own thread (``Pump.run`` calls :meth:`Link.take_over`): frames
+  land in its tensors without a hand-off between threads;
+- otherwise, when somebody waits for input (a point-to-point receive), the transport's reader
+  thread (``ringlet-tcp-rx-<rank>``); with nobody waiting it sleeps, and frames stay in the kernel.
+
+Whoever reads hands each frame to its owner: a collective frame (DATA) to the receive that the
+running operation posted for it (:meth:`Link.want`), a point-to-point frame (P2P) to the ``recv``
+waiting for it -- the header is checked first, then the payload is read straight into the tensor;
+ABORT, BYE and the end of a stream are recorded and every waiter is woken.
+
+A frame that arrives before its receive is posted is *held*: its header has been read and its
+stream is not read further, so TCP flow control holds the sender and the payload can still go
+straight into the tensor once the receive is posted.  Only when somebody waits for a frame
+*behind* a held one (a point-to-point receive behind an operation's frame, an operation's frames
+behind a message nobody has received yet, or a receive from any rank) is the held frame read into
+a private buffer (``Early``), so that neither kind of traffic can block the other.
+
+Writers take the connection's send lock (``Link.tx``) for whole frames, so the frames of a
+collective and of point-to-point threads never interleave.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from ringlet.transport._tcp_mesh import Peer
+from ringlet.transport._tcp_wire import (
+    ABORT,
+    BYE,
+    DATA,
+    FRAME_MAGIC,
+    HEADER,
+    MAX_REASON,
+    parse_header,
+)
+
+__all__ = ["Early", "Link", "Want"]
+
+HSIZE = HEADER.size
+_RX_EVENTS = select.POLLIN
+_JOIN_S = 2.0
+
+
+class Want:
+    """A posted receive: the exact header wanted, where the payload goes, what to run after.
+
+    The reader fills ``header`` (the header that came) and either reads the payload into
+    ``view`` or leaves it in ``early``; ``ok`` is False when the header differed (nothing read).
+    """
+
+    __slots__ = ("done", "early", "expect", "finished", "header", "peer", "view")
+
+    def __init__(self, peer: int, expect: bytes, view: memoryview, done: Callable[[], None] | None) -> None:
+        self.peer = peer
+        self.expect = expect
+        self.view = view
+        self.done = done
+        self.header: bytes | None = None
+        self.early: Early | None = None
+        self.finished = False
+
+    @property
+    def ok(self) -> bool:
+        return self.header == self.expect
+
+    def settle(self) -> None:
+        """Copy a privately buffered payload into ``view`` (on the waiting thread)."""
+        if self.early is not None and self.ok and len(self.view):
+            self.view[:] = self.early.buf
+
+
+class Early:
+    """A frame read into a private buffer because something behind it was wanted."""
+
+    __slots__ = ("buf", "complete", "header", "waiter")
+
+    def __init__(self, header: bytes, nbytes: int) -> None:
+        self.header = header
+        self.buf = bytearray(nbytes)
+        self.complete = False
+        self.waiter: Want | None = None
+
+
+class _Inbound:
+    """Where the reader is in one connection's stream."""
+
+    __slots__ = (
+        "busy",
+        "dest",
+        "discard",
+        "got",
+        "hbuf",
+        "header",
+        "held",
+        "hgot",
+        "hup",
+        "kind",
+        "nbytes",
+        "owner",
+    )
+
+    def __init__(self) -> None:
+        self.hbuf = bytearray(HSIZE)
+        self.reset()
+        self.busy = False        # the reader is inside recv_into(dest)
+        self.hup = False         # the peer hung up while its stream was held
+
+    def reset(self) -> None:
+        self.hgot = 0
+        self.header: bytes | None = None
+        self.kind = 0
+        self.nbytes = 0
+        self.dest: memoryview | None = None
+        self.got = 0
+        self.owner: Want | Early | None = None
+        self.held = False
+        self.discard = False     # the owner gave up: read the rest of the payload into scratch
+
+
+class Link:
+    """The connections of one transport and their reader thread (see [Note: tcp routing])."""
+
+    def __init__(self, me: int, peers: dict[int, Peer], notify_fd: int) -> None:
+        self.me = me
+        self.peers = peers
+        self.notify_fd = notify_fd                  # written when a collective's receive completes
+        lock = threading.RLock()
+        self.cv = threading.Condition(lock)         # guards the state below; point-to-point waits
+        self._park = threading.Condition(lock)      # the reader thread sleeps here
+        self.tx = {r: threading.Lock() for r in peers}
+        self.inb = {r: _Inbound() for r in peers}
+        self.posted: dict[int, collections.deque[Want]] = {r: collections.deque() for r in peers}
+        self.early: dict[int, collections.deque[Early]] = {r: collections.deque() for r in peers}
+        self.mail: dict[int, collections.deque[Early]] = {r: collections.deque() for r in peers}
+        self.p2p_want: dict[int, Want | None] = dict.fromkeys(peers)
+        self.any_source = 0                         # receives from any rank now waiting
+        self.completed: collections.deque[Want] = collections.deque()
+        self.aborted_by: dict[int, str] = {}        # peer -> reason of its ABORT frame
+        self.desync: set[int] = set()               # streams out of step (bad header)
+        self._fd_rank = {p.fd: r for r, p in peers.items()}
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._closing = False
+        self.rd = threading.Lock()                  # held by whoever reads the connections
+        self.pump_reads = False                     # a running collective holds ``rd``
+        self._thread = threading.Thread(target=self._loop, name=f"ringlet-tcp-rx-{me}", daemon=True)
+        self._thread.start()
+
+    # -- posting receives (any thread, for its own operation) ----------------------------------
+    def want(self, w: Want) -> None:
+        """Post a collective receive from ``w.peer``; frames are matched in posting order."""
+        with self.cv:
+            if not self._claim(self.early[w.peer], w):
+                self.posted[w.peer].append(w)
+                self._reconsider(w.peer)
+
+    def want_p2p(self, w: Want) -> None:
+        """Post the point-to-point receive from ``w.peer`` (one at a time per peer)."""
+        with self.cv:
+            if not self._claim(self.mail[w.peer], w):
+                self.p2p_want[w.peer] = w
+                self._reconsider(w.peer)
+                self._park.notify()                # the reader thread may sleep
+
+    def _claim(self, q: collections.deque[Early], w: Want) -> bool:
+        """Under ``cv``: give ``w`` the privately buffered frame at the head of ``q``, if any."""
+        if not q:
+            return False
+        e = q.popleft()
+        w.header, w.early = e.header, e
+        if e.complete:
+            self._done(w, q is self.early[w.peer])
+        else:
+            e.waiter = w
+            self._park.notify()                    # the reader thread may have to finish it
+        return True
+
+    def _done(self, w: Want, collective: bool) -> None:
+        """Under ``cv``: ``w`` has its frame (or a header that differs from the one it wanted)."""
+        if collective:
+            self._complete(w)
+        else:
+            w.finished = True
+            self.cv.notify_all()
+
+    def take_any(self) -> int | None:
+        """Under ``cv``: the lowest rank with a point-to-point message buffered, if any."""
+        for r in sorted(self.mail):
+            if self.mail[r]:
+                return r
+        return None
+
+    def withdraw(self, w: Want) -> None:
+        """Under ``cv``: ``w``'s waiter gives up; a payload half read into its view goes to scratch."""
+        if self.p2p_want.get(w.peer) is w:
+            self.p2p_want[w.peer] = None
+        if w.early is not None and w.early.waiter is w:
+            w.early.waiter = None
+        self._stop_filling(self.inb[w.peer], w)
+
+    def abandon(self, wants: list[Want]) -> None:
+        """A collective failed: forget its receives; none may write into its tensors afterwards."""
+        with self.cv:
+            for w in wants:
+                q = self.posted[w.peer]
+                if w in q:
+                    q.remove(w)
+                if w.early is not None and w.early.waiter is w:
+                    w.early.waiter = None
+                self._stop_filling(self.inb[w.peer], w)
+            self.completed.clear()
+
+    def _stop_filling(self, st: _Inbound, w: Want) -> None:
+        """Under ``cv``: if the reader is filling ``w``'s view, the rest of that payload goes to scratch."""
+        if st.owner is w:
+            st.discard = True
+            deadline = time.monotonic() + 1.0      # one non-blocking recv_into: microseconds
+            while st.busy and time.monotonic() < deadline:
+                time.sleep(0.0002)
+
+    # -- who reads: the reader thread, or a running collective -------------------------------
+    def take_over(self) -> None:
+        """A collective starts: its thread reads the connections itself (no hand-off per frame)
+        until :meth:`hand_back`; the reader thread parks meanwhile."""
+        self.rd.acquire()
+        with self.cv:
+            self.pump_reads = True
+
+    def hand_back(self) -> None:
+        with self.cv:
+            self.pump_reads = False
+            if self._demand():
+                self._park.notify()
+        self.rd.release()
+
+    def _demand(self) -> bool:
+        """Under ``cv``: whether anything needs reading while no collective runs: a point-to-point
+        receive waits, or a frame is half read.  Otherwise the reader thread sleeps and frames stay
+        in the kernel until a collective or a receive wants them (TCP holds their senders)."""
+        if self.any_source or any(w is not None for w in self.p2p_want.values()):
+            return True
+        return any(st.owner is not None or (st.header is not None and not st.held)
+                   for st in self.inb.values())
+
+    def poll_set(self) -> dict[int, int]:
+        """Under ``cv``: what the reading thread polls: POLLIN on streams it can read, nothing
+        (hang-ups only) on held ones, none on streams that ended."""
+        want = {}
+        for r, p in self.peers.items():
+            if p.gone is not None or r in self.desync or r in self.aborted_by:
+                continue
+            st = self.inb[r]
+            if st.held:
+                if not st.hup:
+                    want[p.fd] = 0
+            else:
+                want[p.fd] = _RX_EVENTS
+        return want
+
+    def hung_up(self, fd: int) -> None:
+        """POLLHUP on ``fd``: a held stream stops being polled (its reader finds the end later)."""
+        r = self._fd_rank.get(fd)
+        if r is not None and self.inb[r].held:
+            self.inb[r].hup = True
+
+    def read_all(self, ranks: Iterable[int] | None = None) -> bool:
+        """Read what the streams of ``ranks`` (default all) have, unless held (non-blocking);
+        True if anything came."""
+        progressed = False
+        for r in self.inb if ranks is None else ranks:
+            if not self.inb[r].held and self._read(r):
+                progressed = True
+        return progressed
+
+    def _loop(self) -> None:
+        poller = select.poll()
+        registered: dict[int, int] = {}
+        try:
+            while not self._closing:
+                with self.cv:
+                    while not self._closing and (self.pump_reads or not self._demand()):
+                        self._park.wait()
+                    want = self.poll_set()
+                want[self._wake_r] = select.POLLIN
+                for fd in list(registered):
+                    if fd not in want:
+                        poller.unregister(fd)
+                        del registered[fd]
+                for fd, ev in want.items():
+                    if registered.get(fd) != ev:
+                        poller.register(fd, ev)
+                        registered[fd] = ev
+                events = poller.poll()
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                if not self.rd.acquire(blocking=False):
+                    continue                       # a collective reads now
+                try:
+                    for fd, ev in events:
+                        if ev & (select.POLLHUP | select.POLLERR):
+                            self.hung_up(fd)
+                    self.read_all()                # also frames just given an owner
+                finally:
+                    self.rd.release()
+        except BaseException as e:        # never silently: every waiter learns the reader died
+            with self.cv:
+                for p in self.peers.values():
+                    p.gone = p.gone or f"reader failed: {type(e).__name__}: {e}"
+                self.cv.notify_all()
+            self._notify()
+            if not self._closing:
+                raise
+
+    def _read(self, r: int) -> bool:
+        """Read what connection ``r`` has, frame by frame, until it would block or is held."""
+        p, st = self.peers[r], self.inb[r]
+        if p.gone is not None or r in self.desync or r in self.aborted_by:
+            return False
+        sock = p.sock
+        progressed = False
+        try:
+            while True:
+                if st.header is None:
+                    n = sock.recv_into(memoryview(st.hbuf)[st.hgot:])
+                    if n == 0:
+                        self._gone(r, "eof")
+                        return True
+                    progressed = True
+                    st.hgot += n
+                    if st.hgot < HSIZE:
+                        continue
+                    if not self._header(r, sock):
+                        return True
+                    continue
+                if st.held:
+                    return progressed
+                if st.got < st.nbytes:
+                    # [busy / discard]: set busy, then look at discard; the withdrawing thread sets
+                    # discard, then waits for busy to drop.  Either the reader sees discard, or the
+                    # withdrawer waits out this one recv_into: nothing lands in a withdrawn tensor.
+                    st.busy = True
+                    try:
+                        if st.discard:                   # the owner left: the rest goes to scratch
+                            with self.cv:
+                                st.dest = memoryview(bytearray(st.nbytes))
+                                st.discard = False
+                                st.owner = None
+                        dest = st.dest
+                        if dest is None:
+                            raise AssertionError("a routed frame without a destination")
+                        n = sock.recv_into(dest[st.got:])
+                    finally:
+                        st.busy = False
+                    if n == 0:
+                        self._gone(r, "eof")
+                        return True
+                    progressed = True
+                    st.got += n
+                    if st.got < st.nbytes:
+                        continue
+                self._frame_done(r)
+                progressed = True
+        except BlockingIOError:
+            return progressed
+        except OSError as e:
+            self._gone(r, f"reset ({type(e).__name__}: {e})")
+            return True
+
+    def _header(self, r: int, sock: socket.socket) -> bool:
+        """A complete header arrived: route it.  False: stop reading ``r`` (ended or out of step)."""
+        st = self.inb[r]
+        raw = bytes(st.hbuf)
+        magic, kind, _seq, _w1, _numel, _idx, nbytes = parse_header(raw)
+        if magic != FRAME_MAGIC:
+            with self.cv:
+                self.desync.add(r)
+                self._fail_waiters(r, raw)
+            return False
+        if kind == ABORT:
+            reason = _read_reason(sock, nbytes)
+            with self.cv:
+                self.aborted_by[r] = reason
+                self.cv.notify_all()
+            self._notify()
+            return False
+        if kind == BYE:
+            self._gone(r, "bye")
+            return False
+        st.header, st.kind, st.nbytes = raw, kind, nbytes
+        with self.cv:
+            self._route(r)
+            return r not in self.desync
+
+    def _route(self, r: int) -> None:
+        """Under ``cv``: give the frame at the head of ``r``'s stream a destination, or hold it."""
+        st = self.inb[r]
+        hdr = st.header
+        if hdr is None or st.owner is not None:
+            return
+        st.held = False
+        if st.kind == DATA:
+            q = self.posted[r]
+            if q:
+                w = q.popleft()
+                w.header = hdr
+                if not w.ok:                       # nothing is read into the tensor
+                    self.desync.add(r)
+                    self._complete(w)
+                    return
+                st.owner, st.dest = w, w.view
+                return
+            if self.p2p_want.get(r) is not None or self.any_source:
+                e = Early(hdr, st.nbytes)
+                self.early[r].append(e)
+                st.owner, st.dest = e, memoryview(e.buf)
+                return
+        else:
+            pw = self.p2p_want.get(r)
+            if pw is not None:
+                self.p2p_want[r] = None
+                pw.header = hdr
+                if not pw.ok:
+                    self.desync.add(r)
+                    pw.finished = True
+                    self.cv.notify_all()
+                    return
+                st.owner, st.dest = pw, pw.view
+                return
+            if self.posted[r] or self.any_source:
+                e = Early(hdr, st.nbytes)
+                self.mail[r].append(e)
+                st.owner, st.dest = e, memoryview(e.buf)
+                self.cv.notify_all()               # a receive from any rank may take it
+                return
+        st.held = True
+
+    def _reconsider(self, r: int) -> None:
+        """Under ``cv``: somebody now waits on ``r``; a held frame may have an owner now."""
+        st = self.inb[r]
+        if st.held:
+            self._route(r)
+            if not st.held:
+                self._wake_reader()
+
+    def any_waiting(self, delta: int) -> None:
+        """Under ``cv``: a receive from any rank starts (+1) or ends (-1) waiting."""
+        self.any_source += delta
+        if delta > 0:
+            for r in self.peers:
+                self._reconsider(r)
+            self._park.notify()
+
+    def _frame_done(self, r: int) -> None:
+        st = self.inb[r]
+        with self.cv:
+            owner = st.owner
+            if isinstance(owner, Early):
+                owner.complete = True
+                w = owner.waiter
+                if w is not None:
+                    owner.waiter = None
+                    self._done(w, st.kind == DATA)
+            elif isinstance(owner, Want):
+                self._done(owner, st.kind == DATA)
+            st.reset()
+
+    def _complete(self, w: Want) -> None:
+        """Under ``cv``: a collective receive is done (or failed its header check): tell its thread
+        (unless that thread is the one reading)."""
+        w.finished = True
+        self.completed.append(w)
+        if not self.pump_reads:
+            self._notify()
+
+    def _fail_waiters(self, r: int, raw: bytes) -> None:
+        """Under ``cv``: bytes that are not a frame came from ``r``: fail whoever waits on it."""
+        for w in list(self.posted[r]):
+            w.header = raw
+            self._complete(w)
+        self.posted[r].clear()
+        pw = self.p2p_want.get(r)
+        if pw is not None:
+            pw.header, pw.finished = raw, True
+            self.p2p_want[r] = None
+        self.cv.notify_all()
+
+    def _gone(self, r: int, why: str) -> None:
+        with self.cv:
+            p = self.peers[r]
+            p.gone = p.gone or why
+            self.cv.notify_all()
+        self._notify()
+
+    def _notify(self) -> None:
+        try:
+            os.write(self.notify_fd, b".")
+        except OSError:               # full (the waiter will look anyway) or closed
+            pass
+
+    def _wake_reader(self) -> None:
+        """Whoever reads should look again (a held frame got an owner, or closing)."""
+        try:
+            os.write(self.notify_fd if self.pump_reads else self._wake_w, b".")
+        except OSError:
+            pass
+
+    # -- sending (any thread) ------------------------------------------------------------------
+    def send_frame(self, r: int, frame: list[memoryview], deadline: float, stop: Callable[[], bool],
+                   on_timeout: Callable[[], BaseException], on_error: Callable[[OSError], BaseException]) -> None:
+        """Send one whole frame to ``r`` under its send lock (point-to-point; blocking, bounded)."""
+        p = self.peers[r]
+        lock = self.tx[r]
+        while not lock.acquire(timeout=0.05):
+            if stop() or time.monotonic() > deadline:
+                raise on_timeout()
+        started = False
+        try:
+            while frame:
+                if stop():
+                    raise on_timeout()
+                try:
+                    n = p.sock.sendmsg(frame)
+                except BlockingIOError:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise on_timeout() from None
+                    poller = select.poll()
+                    poller.register(p.fd, select.POLLOUT)
+                    poller.poll(min(remaining, 0.05) * 1000.0)
+                    continue
+                except OSError as e:
+                    raise on_error(e) from None
+                started = True
+                while frame and n >= len(frame[0]):
+                    n -= len(frame.pop(0))
+                if frame:
+                    frame[0] = frame[0][n:]
+        except BaseException:
+            if started and frame:
+                p.tx_broken = True
+            raise
+        finally:
+            lock.release()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the reader thread (bounded); the sockets stay open for the caller to close."""
+        with self.cv:
+            self._closing = True
+            self._park.notify_all()
+        try:
+            os.write(self._wake_w, b".")
+        except OSError:
+            pass
+        self._thread.join(timeout=_JOIN_S)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _read_reason(sock: socket.socket, nbytes: int) -> str:
+    """An ABORT frame's reason, read for at most one second."""
+    want = min(nbytes, MAX_REASON)
+    data = bytearray()
+    deadline = time.monotonic() + 1.0
+    while len(data) < want and time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(want - len(data))
+        except BlockingIOError:
+            select.select([sock], [], [], 0.05)
+            continue
+        except OSError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data.decode("utf-8", "replace")
