@@ -422,8 +422,50 @@ def hier_fake_hosts(rank: int, n: int, layouts: list[list[str]]) -> list[str]:
             tr.broadcast(b, n - 1, ctx("broadcast", b, root=n - 1))
             if not torch.equal(b, torch.full((300_000,), float(n - 1))):
                 bad.append(f"{keys} broadcast")
+            bad += _hier_p2p(tr, rank, n, keys,      # p2p counts differ by rank: no sequence number
+                             lambda op, t: OpContext(op, 0, rank, n, "fake", 20.0, t.dtype, t.numel(), -1, -1))
         finally:
             tr.close()
+    return bad
+
+
+def _hier_p2p(tr: Any, rank: int, n: int, keys: list[str], ctx: Any) -> list[str]:
+    """Point-to-point on the hierarchical transport: every rank sends to every other (a big and a
+    small message), host-mates through shared memory, others over tcp; then a receive from any
+    rank.  Ranks take turns as receivers, so nothing depends on thread scheduling."""
+    bad: list[str] = []
+    mates = [r for r in range(n) if keys[r] == keys[rank]]
+    local_before = sum(tr.local._sent)
+    for dst in range(n):
+        for src in range(n):
+            if src == dst or rank not in (src, dst):
+                continue
+            size = 200_000 if (src + dst) % 2 else 5
+            t = torch.full((size,), float(100 * src + dst))
+            c = ctx("send" if rank == src else "recv", t)
+            if rank == src:
+                tr.send(t, dst, 7, c)
+            else:
+                got = torch.empty(size)
+                if tr.recv(got, src, 7, c) != src or not torch.equal(got, t):
+                    bad.append(f"{keys} p2p {src}->{dst}")
+    sent_locally = sum(tr.local._sent) - local_before
+    if (sent_locally > 0) != (len(mates) > 1):
+        bad.append(f"{keys} p2p to host-mates did not use shared memory ({sent_locally} chunks)")
+    # any source: rank 0 receives from every other rank, in whatever order they come
+    if rank == 0:
+        seen = set()
+        for _ in range(n - 1):
+            got = torch.empty(3)
+            src = tr.recv(got, None, 9, ctx("recv", got))
+            seen.add(src)
+            if not torch.equal(got, torch.full((3,), float(src))):
+                bad.append(f"{keys} any-source from {src}")
+        if seen != set(range(1, n)):
+            bad.append(f"{keys} any-source saw {sorted(seen)}")
+    else:
+        t = torch.full((3,), float(rank))
+        tr.send(t, 0, 9, ctx("send", t))
     return bad
 
 

@@ -501,6 +501,14 @@ class ArenaTransport(Transport):
             self._recvd[src] = m
         return src
 
+    def pending_source(self) -> int | None:
+        """The lowest rank with a message chunk this rank has not consumed yet (no waiting)."""
+        q = self.q
+        for r in self.arena.peers:
+            if q[self._pair_i(r, self.rank)[0]] > self._recvd[r]:
+                return r
+        return None
+
     def _wait_any_source(self, ctx: OpContext) -> int:
         peers = self.arena.peers
         idx = [self._pair_i(r, self.rank)[0] for r in peers]

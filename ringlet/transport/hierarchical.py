@@ -3,8 +3,8 @@
 A group whose ranks span several hosts (``w.hosts``: hostname + network namespace +
 boot id) gets one ``shm`` transport per host (its local ranks) and one ``tcp``
 transport over all ranks.  Large ``all_reduce`` and ``all_gather`` are
-hierarchical; everything else runs on the flat tcp transport, which is correct for
-any layout.
+hierarchical; point-to-point messages between ranks of one host go through its shared
+memory; everything else runs on the flat tcp transport, which is correct for any layout.
 
 [Note: hierarchical reduction order]
 Results must be bit-identical to the flat tcp path of the same group.  A group that spans
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ringlet.errors import DistBackendError
+from ringlet.errors import CollectiveTimeoutError, DistBackendError, GroupAbortedError
 from ringlet.store import PrefixStore
 from ringlet.transport._tcp_algos import SMALL_ALL_REDUCE
 from ringlet.transport.base import OpContext, Transport
@@ -151,7 +151,7 @@ class HierarchicalTransport(Transport):
     def __repr__(self) -> str:
         return f"HierarchicalTransport(rank {self.rank}/{self.world_size}, hosts {list(self.plan.hosts)})"
 
-    def _shm(self, ctx: OpContext, call: Callable[[OpContext], None]) -> None:
+    def _shm(self, ctx: OpContext, call: Callable[[OpContext], object]) -> None:
         """Run one shared-memory step (see LOCAL_GRACE_S); its errors say how it numbers ranks."""
         lctx = copy.copy(ctx)
         lctx.deadline = ctx.deadline + LOCAL_GRACE_S
@@ -292,11 +292,52 @@ class HierarchicalTransport(Transport):
     def barrier(self, ctx: OpContext) -> None:
         self.tcp.barrier(ctx)
 
+    # -- point to point: shared memory to a host-mate, tcp to other hosts -----------------------
+    def _mate(self, r: int) -> int | None:
+        """``r``'s index on this host's shared memory, or None when it lives elsewhere."""
+        mates = self.plan.hosts[self.plan.host]
+        return mates.index(r) if r in mates else None
+
     def send(self, buf: torch.Tensor, dst: int, tag: int, ctx: OpContext) -> None:
-        self.tcp.send(buf, dst, tag, ctx)
+        li = self._mate(dst)
+        if li is None:
+            self.tcp.send(buf, dst, tag, ctx)
+        else:
+            self._shm(ctx, lambda c: self.local.send(buf, li, tag, c))
 
     def recv(self, buf: torch.Tensor, src: int | None, tag: int, ctx: OpContext) -> int:
-        return self.tcp.recv(buf, src, tag, ctx)
+        if src is None:
+            src = self._any_source(ctx)
+        li = self._mate(src)
+        if li is None:
+            return self.tcp.recv(buf, src, tag, ctx)
+        self._shm(ctx, lambda c: self.local.recv(buf, li, tag, c))
+        return src
+
+    def _any_source(self, ctx: OpContext) -> int:
+        """The lowest rank whose message is here, watching shared memory and tcp at once."""
+        mates = self.plan.hosts[self.plan.host]
+        self.tcp.any_source_wanted(+1)
+        try:
+            delay = 2e-5
+            while True:
+                li = self.local.pending_source()
+                if li is not None:
+                    return mates[li]
+                r = self.tcp.pending_source()
+                if r is not None:
+                    return r
+                if self.tcp.pump.aborted is not None:
+                    raise ctx.error(GroupAbortedError, f"the group was aborted on this rank: {self.tcp.pump.aborted}")
+                remaining = ctx.deadline - time.monotonic()
+                if remaining <= 0:
+                    others = [r for r in range(self.world_size) if r != self.rank]
+                    raise ctx.error(CollectiveTimeoutError, f"timed out waiting for a message from any of "
+                                    f"ranks {others} (shared memory and tcp)", missing=others)
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, 1e-3)
+        finally:
+            self.tcp.any_source_wanted(-1)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def wait_stats(self) -> tuple[float, dict[int, float]]:

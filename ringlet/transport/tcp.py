@@ -248,6 +248,17 @@ class TcpTransport(Transport):
             return peer_lost(ctx, p, None, "point-to-point")
         return None
 
+    def any_source_wanted(self, delta: int) -> None:
+        """A receive from any rank that also watches another transport starts (+1) or stops (-1):
+        meanwhile messages are read as they come, for :meth:`pending_source`."""
+        with self.pump.link.cv:
+            self.pump.link.any_waiting(delta)
+
+    def pending_source(self) -> int | None:
+        """The lowest rank whose next message has arrived (or is arriving); no waiting."""
+        with self.pump.link.cv:
+            return self.pump.link.take_any()
+
     def _wait_any_source(self, ctx: OpContext) -> int:
         """The lowest rank with a message waiting; returns with that rank's receive lock held."""
         link = self.pump.link
