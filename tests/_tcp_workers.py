@@ -366,6 +366,27 @@ def nccl_one_gpu(rank: int, n: int, spec: str) -> str:
     return "ok"
 
 
+def per_device_cpu(rank: int, n: int) -> dict[str, Any]:
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    return {"backend": dist.get_backend(), "sum": float(t[0]),
+            "built": sorted(dist.group.WORLD.transport._built),   # the NCCL side waits for CUDA
+            "devices": list(dist.group.WORLD.transport.devices)}
+
+
+def per_device_gpu(rank: int, n: int) -> str:
+    """A CPU and a CUDA collective on one ``cpu:shm,cuda:nccl`` group (world of one)."""
+    c = torch.ones(3)
+    dist.all_reduce(c)
+    x = torch.arange(8, dtype=torch.float32, device="cuda")
+    dist.all_reduce(x)
+    out = torch.empty(8, device="cuda")
+    dist.all_gather_into_tensor(out, x)
+    assert torch.equal(out.cpu(), torch.arange(8, dtype=torch.float32)) and c.tolist() == [1.0] * 3
+    assert dist.get_backend() == "shm,cuda:torch:nccl"
+    return "ok"
+
+
 def hier_fake_hosts(rank: int, n: int, layouts: list[list[str]]) -> list[str]:
     """The hierarchical transport on loopback with made-up host keys (no namespaces needed):
     all_reduce, all_gather and broadcast equal the flat tcp path and a host-major reference."""

@@ -35,9 +35,16 @@ def test_backend_names() -> None:
     assert _parse_backend(None) == "auto"
     assert _parse_backend("tcp") == "tcp"
     assert _parse_backend("gloo") == "auto"                 # text-substituted torch scripts
-    assert _parse_backend("cpu:gloo,cuda:nccl") == "auto"
+    assert _parse_backend("cpu:gloo,cuda:nccl") == "auto,cuda:nccl"    # CUDA tensors: torch's NCCL
+    assert _parse_backend("cpu:shm,cuda:nccl") == "shm,cuda:nccl"
+    assert _parse_backend("cpu:tcp,cuda:torch:nccl") == "tcp,cuda:nccl"
+    assert _parse_backend("cuda:nccl") == "auto,cuda:nccl"
+    assert _parse_backend("cpu:gloo") == "auto"
     assert _parse_backend("torch:gloo") == "torch:gloo"
     assert _parse_backend("cpu:torch:gloo,cuda:torch:nccl") == "torch:gloo,nccl"
+    assert _parse_backend("cpu:torch:gloo,cuda:nccl") == "torch:gloo,nccl"
+    with pytest.raises(ValueError, match="cuda: expected 'nccl'"):
+        _parse_backend("cpu:shm,cuda:gloo")
     assert _parse_backend("CPU:TCP") == "tcp"
     with pytest.raises(ValueError, match="torch:nccl"):
         _parse_backend("nccl")

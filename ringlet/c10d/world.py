@@ -150,14 +150,18 @@ def _timeout_seconds(timeout: timedelta | float | None) -> float:
     return seconds
 
 
+CUDA_NCCL = ",cuda:nccl"     # suffix of a canonical backend whose CUDA tensors go to torch's NCCL
+
+
 def _parse_backend(backend: str | None) -> str:
     """Canonical backend name: ``auto``, ``shm``, ``tcp``, ``inproc``, or a torch engine
-    (``torch:gloo``, ``torch:nccl``, ``torch:gloo,nccl`` for CPU and CUDA tensors).
+    (``torch:gloo``, ``torch:nccl``, ``torch:gloo,nccl`` for CPU and CUDA tensors), or one of
+    ringlet's followed by ``,cuda:nccl`` (CUDA tensors on torch's NCCL: ``transport.split``).
 
-    torch's ``gloo`` (and ``cpu:gloo,cuda:nccl``) map to ringlet's own transports (``auto``), so a
-    script moved by text substitution runs on them; ``torch:gloo`` selects torch's own engine.
-    Per-device strings (``cpu:torch:gloo,cuda:torch:nccl``) give each device type its backend;
-    ringlet's transports serve CPU tensors, so the ``cpu`` entry decides unless both are torch's.
+    torch's ``gloo`` maps to ringlet's own transports (``auto``), so a script moved by text
+    substitution runs on them; ``torch:gloo`` selects torch's own engine.  Per-device strings give
+    each device type its backend: ``cpu:gloo,cuda:nccl`` -> ``auto,cuda:nccl``,
+    ``cpu:torch:gloo,cuda:torch:nccl`` -> ``torch:gloo,nccl``.
     """
     ours = ("auto", "shm", "tcp", "inproc")
     name = (backend or "auto").strip().lower()
@@ -170,11 +174,17 @@ def _parse_backend(backend: str | None) -> str:
                                  f"'cpu:torch:gloo,cuda:torch:nccl', got {backend!r}")
             parts[dev] = val
         cpu, cuda = parts.get("cpu", "auto"), parts.get("cuda")
-        if cpu == "torch:gloo" and cuda == "torch:nccl":
-            return "torch:gloo,nccl"
         if cpu == "nccl" or cpu == "torch:nccl":
             raise ValueError(f"init_process_group: backend: nccl serves CUDA tensors, not 'cpu' ({backend!r})")
-        name = cpu
+        if cuda is not None and cuda not in ("nccl", "torch:nccl"):
+            raise ValueError(f"init_process_group: backend: cuda: expected 'nccl' (torch's NCCL engine, "
+                             f"through ringlet's adapter), got {cuda!r} in {backend!r}")
+        if cpu == "torch:gloo":
+            return "torch:gloo,nccl" if cuda else "torch:gloo"
+        base = _parse_backend(cpu) if "," not in cpu and not cpu.startswith(("cpu:", "cuda:")) else "?"
+        if base == "?":
+            raise ValueError(f"init_process_group: backend: expected 'device:backend' entries, got {backend!r}")
+        return f"{base}{CUDA_NCCL}" if cuda else base
     if name in ("gloo", "mpi", "undefined"):
         return "auto"   # ringlet's own transports serve CPU tensors (see docs/usage.md)
     if name == "nccl":
@@ -253,11 +263,37 @@ def _attach_debug(w: _World, pg: ProcessGroup) -> ProcessGroup:
 def _make_group(w: _World, ranks: list[int], gid: str, backend: str, timeout: float,
                 desc: str) -> ProcessGroup:
     """Build the transport of a group: ``auto`` is shm on one host, tcp when every rank has a host
-    of its own, and shm within each host + tcp among hosts (``shm+tcp``) otherwise."""
+    of its own, and shm within each host + tcp among hosts (``shm+tcp``) otherwise; a
+    ``,cuda:nccl`` suffix adds torch's NCCL for CUDA tensors (built at their first use)."""
     from ringlet.store import PrefixStore
 
     me = ranks.index(w.rank)
     gstore = PrefixStore(f"pg/{gid}", w.store)
+    if backend.endswith(CUDA_NCCL):
+        from ringlet.transport.split import DeviceSplitTransport
+
+        main, resolved = _transport(w, ranks, me, gstore, backend.removesuffix(CUDA_NCCL), timeout, desc)
+        cuda_store = PrefixStore("cuda", gstore)
+        n = len(ranks)
+
+        def nccl() -> Any:          # at the first CUDA tensor: no torch.distributed import before
+            from ringlet.transport.torch_engine import TorchEngineTransport
+
+            return TorchEngineTransport.create(cuda_store, me, n, timeout, desc, "torch:nccl")
+        name = f"{resolved},cuda:torch:nccl"
+        split = DeviceSplitTransport(main, {"cuda": nccl}, name)
+        pg = ProcessGroup(gid, ranks, me, split, timeout, name, desc)
+        w.groups.append(pg)
+        return pg
+    transport, resolved = _transport(w, ranks, me, gstore, backend, timeout, desc)
+    pg = ProcessGroup(gid, ranks, me, transport, timeout, resolved, desc)
+    w.groups.append(pg)
+    return pg
+
+
+def _transport(w: _World, ranks: list[int], me: int, gstore: Any, backend: str, timeout: float,
+               desc: str) -> tuple[Any, str]:
+    """The transport for ``backend`` (``auto`` resolved from where the ranks are) and its name."""
     hosts = [w.hosts[r] for r in ranks]
     resolved = backend
     if backend == "auto":
@@ -286,9 +322,7 @@ def _make_group(w: _World, ranks: list[int], gid: str, backend: str, timeout: fl
         transport = TorchEngineTransport.create(gstore, me, len(ranks), timeout, desc, resolved)
     else:
         raise DistBackendError(f"group {desc}: expected a known transport, got {resolved!r}")
-    pg = ProcessGroup(gid, ranks, me, transport, timeout, resolved, desc)
-    w.groups.append(pg)
-    return pg
+    return transport, resolved
 
 
 def destroy_process_group(group: Any = None) -> None:
