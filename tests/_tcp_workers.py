@@ -428,11 +428,13 @@ def hier_fake_hosts(rank: int, n: int, layouts: list[list[str]]) -> list[str]:
                 want = torch.empty_like(xs[0])
                 combine_(want, partials, op)
                 finish_(want, op, n)
-                t, f = xs[rank].clone(), xs[rank].clone()
-                tr.all_reduce(t, op, factor, ctx("all_reduce", t, int(op)))
-                tr.tcp.all_reduce(f, op, factor, ctx("all_reduce", f, int(op)))
-                if not (torch.equal(t, want) and torch.equal(f, want)):
-                    bad.append(f"{keys} all_reduce {numel} {dtype} {op.name}")
+                for pipelined in (True, False):     # segments overlapping, or one after another
+                    tr.pipelined = pipelined
+                    t, f = xs[rank].clone(), xs[rank].clone()
+                    tr.all_reduce(t, op, factor, ctx("all_reduce", t, int(op)))
+                    tr.tcp.all_reduce(f, op, factor, ctx("all_reduce", f, int(op)))
+                    if not (torch.equal(t, want) and torch.equal(f, want)):
+                        bad.append(f"{keys} all_reduce {numel} {dtype} {op.name} pipelined={pipelined}")
             inp = torch.arange(70_001, dtype=torch.float32) + 1e6 * rank
             out = torch.empty(n * 70_001)
             tr.all_gather(inp, out, ctx("all_gather", inp))
