@@ -226,6 +226,32 @@ def abort_from_thread(rank: int, n: int) -> tuple[str, str, float]:
     return "none", "", time.monotonic() - t0
 
 
+def destroy_with_pending_irecv(rank: int, n: int) -> tuple[str, str, float, bool]:
+    """Rank 0 destroys a tcp group while its irecv still waits: the receive ends with an error
+    soon after, and its thread is gone (nothing waits until the deadline)."""
+    import threading
+
+    g = dist.new_group(list(range(n)), backend="tcp", timeout=timedelta(seconds=60))
+    dist.barrier()
+    if rank != 0:
+        dist.barrier()
+        return "", "", 0.0, True
+    w = dist.irecv(torch.empty(4), 1, group=g)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    dist.destroy_process_group(g)
+    try:
+        w.wait()
+        got = ("none", "")
+    except Exception as e:
+        got = (type(e).__name__, str(e))
+    took = time.monotonic() - t0
+    time.sleep(0.2)
+    alive = [t.name for t in threading.enumerate() if g.group_desc in t.name]
+    dist.barrier()
+    return got[0], got[1], took, not alive
+
+
 def scenarios(rank: int, n: int, T: float) -> dict[str, tuple[str, str, float]]:
     """Faults that poison only their own tcp group, one group each; the world group stays usable."""
     names = ["op", "shape", "dtype", "p2p", "skip"]

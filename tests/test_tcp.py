@@ -209,6 +209,14 @@ def test_one_connection_per_pair_carries_collectives_and_messages_in_any_order()
     assert res[0]["c_src"] == (2, True)
 
 
+@pytest.mark.timeout(60)
+def test_destroying_a_group_ends_its_pending_receives() -> None:
+    etype, msg, took, threads_gone = raise_first(run_world(2, _tcp_workers.destroy_with_pending_irecv,
+                                                           backend="tcp", timeout=50))[0]
+    assert etype == "GroupAbortedError" and "destroyed" in msg, (etype, msg)
+    assert took < 5.0 and threads_gone, (took, threads_gone)
+
+
 @pytest.mark.timeout(120)
 def test_random_floats_bit_identical_to_shm_with_tiny_chunks() -> None:
     """3 ranks: floating-point results equal shm's bit for bit (same rank order), with 4 KiB

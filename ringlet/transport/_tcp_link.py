@@ -7,7 +7,7 @@ thread reads the connections at a time (it holds ``Link.rd``):
 - while a collective runs, its own thread (``Pump.run`` calls :meth:`Link.take_over`): frames
   land in its tensors without a hand-off between threads;
 - otherwise, when somebody waits for input (a point-to-point receive), the transport's reader
-  thread (``ringlet-tcp-rx-<rank>``); with nobody waiting it sleeps, and frames stay in the kernel.
+  thread (``ringlet-tcp-rx <group> r<rank>``); with nobody waiting it sleeps, and frames stay in the kernel.
 
 Whoever reads hands each frame to its owner: a collective frame (DATA) to the receive that the
 running operation posted for it (:meth:`Link.want`), a point-to-point frame (P2P) to the ``recv``
@@ -132,7 +132,7 @@ class _Inbound:
 class Link:
     """The connections of one transport and their reader thread (see [Note: tcp routing])."""
 
-    def __init__(self, me: int, peers: dict[int, Peer], notify_fd: int) -> None:
+    def __init__(self, me: int, peers: dict[int, Peer], notify_fd: int, name: str = "ringlet-tcp-rx") -> None:
         self.me = me
         self.peers = peers
         self.notify_fd = notify_fd                  # written when a collective's receive completes
@@ -156,7 +156,7 @@ class Link:
         self._closing = False
         self.rd = threading.Lock()                  # held by whoever reads the connections
         self.pump_reads = False                     # a running collective holds ``rd``
-        self._thread = threading.Thread(target=self._loop, name=f"ringlet-tcp-rx-{me}", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     # -- posting receives (any thread, for its own operation) ----------------------------------

@@ -66,11 +66,12 @@ def peer_lost(ctx: OpContext, p: Peer, err: BaseException | None, kind: str = "c
 class Pump:
     """Frame queues of one operation on the group's connections (see the module docstring)."""
 
-    def __init__(self, me: int, peers: dict[int, Peer], wake_fd: int, wake_w: int) -> None:
+    def __init__(self, me: int, peers: dict[int, Peer], wake_fd: int, wake_w: int,
+                 reader_name: str = "ringlet-tcp-rx") -> None:
         self.me = me
         self.peers = peers
         self.wake_fd = wake_fd                   # non-blocking read end: the reader and abort write
-        self.link = Link(me, peers, wake_w)      # to ``wake_w``
+        self.link = Link(me, peers, wake_w, reader_name)   # to ``wake_w``
         self.aborted: str | None = None          # set by the transport's abort(), under lock
         self.active = False                      # a run() is in progress (it owns its sends)
         self.lock = threading.Lock()

@@ -99,7 +99,7 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, rank: int, world_size: int, peers: dict[int, Peer], host: str,
-                 host_keys: list[str] | None = None) -> None:
+                 host_keys: list[str] | None = None, group: str = "") -> None:
         self.rank = rank
         self.world_size = world_size
         self.peers = peers
@@ -107,7 +107,7 @@ class TcpTransport(Transport):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self.pump = Pump(rank, peers, self._wake_r, self._wake_w)
+        self.pump = Pump(rank, peers, self._wake_r, self._wake_w, f"ringlet-tcp-rx {group} r{rank}")
         self.pump.abort_hook = self._send_aborts
         self.algos = TcpAlgos(self.pump, rank, world_size, _env.tcp_chunk_bytes(), host_keys)
         self._p2p_tx = dict.fromkeys(peers, 0)
@@ -137,7 +137,7 @@ class TcpTransport(Transport):
         host = host or choose_address(store, single_host)
         token = _env.store_token() if token is None else token
         peers = build_mesh(store, rank, world_size, timeout, group, host, token)
-        return cls(rank, world_size, peers, host, host_keys)
+        return cls(rank, world_size, peers, host, host_keys, group)
 
     def __repr__(self) -> str:
         return f"TcpTransport(rank {self.rank}/{self.world_size}, {self.host})"
@@ -235,6 +235,9 @@ class TcpTransport(Transport):
 
     def _p2p_problem(self, p: Peer, ctx: OpContext) -> DistBackendError | None:
         """Why a point-to-point operation with ``p`` cannot go on (None: it can)."""
+        if self._closed:
+            return ctx.error(GroupAbortedError, "the group was destroyed on this rank while this "
+                             f"{ctx.op} waited")
         if self.pump.aborted is not None:
             return ctx.error(GroupAbortedError, f"the group was aborted on this rank: {self.pump.aborted}")
         reason = self.pump.link.aborted_by.get(p.rank)
@@ -323,6 +326,8 @@ class TcpTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        with self.pump.link.cv:
+            self.pump.link.cv.notify_all()     # a receive still waiting sees the group is gone
         self.pump.link.close()
         bye = header(BYE, 0, 0, 0, 0, 0)
         for r, p in self.peers.items():
