@@ -164,11 +164,16 @@ def shared_connection(rank: int, n: int) -> dict[str, Any]:
         theirs = torch.empty(big)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer, g),
                                         dist.P2POp(dist.irecv, theirs, peer, g)])
-    sums = []
+    sums, small_ok = [], True
     for i in range(3):
         x = torch.full((300_000,), float(i + rank))
         dist.all_reduce(x, group=g)
         sums.append(float(x[0]))
+        for _ in range(20):     # small, in place: what is sent must be the input, not the sum
+            y = torch.full((1000,), float(rank + 1))
+            dist.all_reduce(y, group=g)
+            small_ok = small_ok and bool(torch.equal(y, torch.full((1000,), float(n * (n + 1) // 2))))
+    out["small_ok"] = small_ok
     if peer is not None:
         for w in works:
             w.wait()
@@ -250,6 +255,28 @@ def destroy_with_pending_irecv(rank: int, n: int) -> tuple[str, str, float, bool
     alive = [t.name for t in threading.enumerate() if g.group_desc in t.name]
     dist.barrier()
     return got[0], got[1], took, not alive
+
+
+def any_source_after_peers_left(rank: int, n: int) -> tuple[str, str, float]:
+    """Rank 0 receives from any rank after every other rank destroyed the group: an error soon,
+    not at the deadline."""
+    g = dist.new_group(list(range(n)), backend="tcp", timeout=timedelta(seconds=60))
+    dist.barrier()
+    if rank != 0:
+        dist.destroy_process_group(g)
+        dist.barrier()
+        return "", "", 0.0
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    try:
+        dist.recv(torch.empty(2), None, group=g)
+        got = ("none", "")
+    except Exception as e:
+        got = (type(e).__name__, str(e))
+    took = time.monotonic() - t0
+    dist.destroy_process_group(g)
+    dist.barrier()
+    return got[0], got[1], took
 
 
 def scenarios(rank: int, n: int, T: float) -> dict[str, tuple[str, str, float]]:
@@ -415,7 +442,8 @@ def per_device_gpu(rank: int, n: int) -> str:
 
 def hier_fake_hosts(rank: int, n: int, layouts: list[list[str]]) -> list[str]:
     """The hierarchical transport on loopback with made-up host keys (no namespaces needed):
-    all_reduce, all_gather and broadcast equal the flat tcp path and a host-major reference."""
+    all_reduce, reduce_scatter, all_gather and broadcast equal the flat tcp path and a host-major
+    reference; point-to-point takes shared memory between host-mates."""
     from ringlet.c10d.world import current_world
     from ringlet.store import PrefixStore
     from ringlet.transport.base import OpContext
@@ -461,6 +489,28 @@ def hier_fake_hosts(rank: int, n: int, layouts: list[list[str]]) -> list[str]:
                     tr.tcp.all_reduce(f, op, factor, ctx("all_reduce", f, int(op)))
                     if not (torch.equal(t, want) and torch.equal(f, want)):
                         bad.append(f"{keys} all_reduce {numel} {dtype} {op.name} pipelined={pipelined}")
+            for case, (N, dtype, op) in enumerate(
+                    [(3, torch.float32, RedOpType.SUM), (50_000, torch.float32, RedOpType.SUM),
+                     (30_001, torch.bfloat16, RedOpType.AVG), (40_000, torch.float64, RedOpType.PREMUL_SUM),
+                     (20_000, torch.int64, RedOpType.MAX)]):
+                xs = [_data(r, 50 + case, n * N, dtype) if dtype.is_floating_point
+                      else torch.randint(-9, 9, (n * N,), generator=torch.Generator().manual_seed(r))
+                      for r in range(n)]
+                factor = 0.37 if op == RedOpType.PREMUL_SUM else None
+                parts = [(x * factor if factor else x)[rank * N:(rank + 1) * N] for x in xs]
+                partials = []
+                for g in groups.values():
+                    acc = torch.empty(N, dtype=dtype)
+                    combine_(acc, [parts[i] for i in g], op)
+                    partials.append(acc)
+                want = torch.empty(N, dtype=dtype)
+                combine_(want, partials, op)
+                finish_(want, op, n)
+                t, f = torch.empty(N, dtype=dtype), torch.empty(N, dtype=dtype)
+                tr.reduce_scatter(xs[rank].clone(), t, op, factor, ctx("reduce_scatter", t, int(op)))
+                tr.tcp.reduce_scatter(xs[rank].clone(), f, op, factor, ctx("reduce_scatter", f, int(op)))
+                if not (torch.equal(t, want) and torch.equal(f, want)):
+                    bad.append(f"{keys} reduce_scatter {N} {dtype} {op.name}")
             inp = torch.arange(70_001, dtype=torch.float32) + 1e6 * rank
             out = torch.empty(n * 70_001)
             tr.all_gather(inp, out, ctx("all_gather", inp))

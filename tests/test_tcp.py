@@ -202,11 +202,18 @@ def test_one_connection_per_pair_carries_collectives_and_messages_in_any_order()
     res = raise_first(run_world(3, _tcp_workers.shared_connection, backend="tcp", timeout=100, op_timeout=20))
     for r, got in enumerate(res):
         assert got["sockets_added"] == 2, (r, got)            # one per peer, 3 ranks
-        assert got["a_sum"] and got["b_sum"] and got["c_sum"] and got["d_sums"], (r, got)
+        assert got["a_sum"] and got["b_sum"] and got["c_sum"] and got["d_sums"] and got["small_ok"], (r, got)
         if r < 2:
             assert got["d_msg"], (r, got)
     assert res[1]["a_msg"] and res[1]["b_msg"]
     assert res[0]["c_src"] == (2, True)
+
+
+@pytest.mark.timeout(60)
+def test_receive_from_any_rank_fails_soon_when_every_peer_left() -> None:
+    etype, msg, took = raise_first(run_world(3, _tcp_workers.any_source_after_peers_left, backend="tcp",
+                                             timeout=50))[0]
+    assert etype == "DistBackendError" and "no rank is left" in msg and took < 5.0, (etype, msg, took)
 
 
 @pytest.mark.timeout(60)

@@ -126,8 +126,11 @@ class TcpAlgos(Movement):
             return
         self.pump.begin(ctx)
         if flat.numel() * flat.element_size() <= SMALL_ALL_REDUCE or flat.numel() < n:
+            # The fold writes ``flat`` while a frame of it may still be queued (a point-to-point
+            # frame holding the connection, a full socket buffer): send a copy (<= 64 KiB).
+            outgoing = self._mv(src.clone() if src.data_ptr() == flat.data_ptr() else src)
             self._fold_from(flat, src, [i for i in range(n) if i != m], R, m, op, ctx,
-                            send=lambda i: self._mv(src))
+                            send=lambda i: outgoing)
             self.pump.run()
             return
         # Reduce-scatter and ring all-gather in one pass: each chunk of this rank's block goes

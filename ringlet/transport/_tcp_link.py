@@ -51,6 +51,7 @@ __all__ = ["Early", "Link", "Want"]
 HSIZE = HEADER.size
 _RX_EVENTS = select.POLLIN
 _JOIN_S = 2.0
+_REPOLL_MS = 50            # the reader thread re-reads its watch list at least this often
 
 
 class Want:
@@ -244,6 +245,7 @@ class Link:
             self.pump_reads = False
             if self._demand():
                 self._park.notify()
+                self._wake_reader()                # it may be in poll() with an old watch list
         self.rd.release()
 
     def _demand(self) -> bool:
@@ -303,7 +305,7 @@ class Link:
                     if registered.get(fd) != ev:
                         poller.register(fd, ev)
                         registered[fd] = ev
-                events = poller.poll()
+                events = poller.poll(_REPOLL_MS)   # bounded: the watch list may change meanwhile
                 try:
                     while os.read(self._wake_r, 4096):
                         pass
@@ -357,13 +359,12 @@ class Link:
                     st.busy = True
                     try:
                         if st.discard:                   # the owner left: the rest goes to scratch
-                            with self.cv:
-                                st.dest = memoryview(bytearray(st.nbytes))
-                                st.discard = False
-                                st.owner = None
+                            st.dest = memoryview(bytearray(st.nbytes))   # (the reader's own fields)
+                            st.discard = False
+                            st.owner = None
                         dest = st.dest
-                        if dest is None:
-                            raise AssertionError("a routed frame without a destination")
+                        if dest is None:                 # not routed after all: leave it held
+                            return progressed
                         n = sock.recv_into(dest[st.got:])
                     finally:
                         st.busy = False
@@ -408,12 +409,15 @@ class Link:
             return r not in self.desync
 
     def _route(self, r: int) -> None:
-        """Under ``cv``: give the frame at the head of ``r``'s stream a destination, or hold it."""
+        """Under ``cv``: give the frame at the head of ``r``'s stream a destination, or hold it.
+
+        ``held`` is cleared only after ``owner`` and ``dest`` are set: the reading thread looks at
+        ``held`` without the lock."""
         st = self.inb[r]
         hdr = st.header
         if hdr is None or st.owner is not None:
             return
-        st.held = False
+        dest: Want | Early | None = None
         if st.kind == DATA:
             q = self.posted[r]
             if q:
@@ -423,13 +427,10 @@ class Link:
                     self.desync.add(r)
                     self._complete(w)
                     return
-                st.owner, st.dest = w, w.view
-                return
-            if self.p2p_want.get(r) is not None or self.any_source:
-                e = Early(hdr, st.nbytes)
-                self.early[r].append(e)
-                st.owner, st.dest = e, memoryview(e.buf)
-                return
+                dest = w
+            elif self.p2p_want.get(r) is not None or self.any_source:
+                dest = Early(hdr, st.nbytes)
+                self.early[r].append(dest)
         else:
             pw = self.p2p_want.get(r)
             if pw is not None:
@@ -440,15 +441,17 @@ class Link:
                     pw.finished = True
                     self.cv.notify_all()
                     return
-                st.owner, st.dest = pw, pw.view
-                return
-            if self.posted[r] or self.any_source:
-                e = Early(hdr, st.nbytes)
-                self.mail[r].append(e)
-                st.owner, st.dest = e, memoryview(e.buf)
+                dest = pw
+            elif self.posted[r] or self.any_source:
+                dest = Early(hdr, st.nbytes)
+                self.mail[r].append(dest)
                 self.cv.notify_all()               # a receive from any rank may take it
-                return
-        st.held = True
+        if dest is None:
+            st.held = True
+            return
+        st.owner = dest
+        st.dest = dest.view if isinstance(dest, Want) else memoryview(dest.buf)
+        st.held = False
 
     def _reconsider(self, r: int) -> None:
         """Under ``cv``: somebody now waits on ``r``; a held frame may have an owner now."""
@@ -525,6 +528,8 @@ class Link:
                    on_timeout: Callable[[], BaseException], on_error: Callable[[OSError], BaseException]) -> None:
         """Send one whole frame to ``r`` under its send lock (point-to-point; blocking, bounded)."""
         p = self.peers[r]
+        if p.tx_broken:
+            raise on_error(BrokenPipeError("the stream was cut mid-frame by an earlier error"))
         lock = self.tx[r]
         while not lock.acquire(timeout=0.05):
             if stop() or time.monotonic() > deadline:
@@ -552,8 +557,12 @@ class Link:
                 if frame:
                     frame[0] = frame[0][n:]
         except BaseException:
-            if started and frame:
-                p.tx_broken = True
+            if started and frame:                  # the peer would read what follows as this
+                p.tx_broken = True                 # frame's payload: end the stream instead
+                try:
+                    p.sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
             raise
         finally:
             lock.release()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import os
 import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -168,6 +169,8 @@ class Pump:
         link.hand_back()
         with self.lock:
             self.active = False
+            if self.aborted is not None and self.abort_hook is not None:
+                self.abort_hook()          # abort() came while this ran: it left the ABORTs to us
 
     def _settle_received(self) -> bool:
         """Run the callbacks of the receives the reader completed; raise for a bad header."""
@@ -189,6 +192,9 @@ class Pump:
 
     def _push(self, r: int, q: collections.deque[list[memoryview]]) -> bool:
         p = self.peers[r]
+        if p.tx_broken:
+            raise self._ctx().error(DistBackendError, f"the stream to rank {r} ({p.where()}) was cut "
+                                    "mid-frame by an earlier error; the group cannot be used", peer=r)
         if r not in self._held:
             if not self.link.tx[r].acquire(blocking=False):   # a point-to-point frame is going out
                 self._contended = True
@@ -339,8 +345,13 @@ class Pump:
     def _fail(self) -> None:
         """After an error: streams with a partly sent frame are out of step; drop the queues, and
         make sure the reader writes nothing more into this operation's tensors."""
-        for r in self._mid:
-            self.peers[r].tx_broken = True
+        for r in self._mid:                # the peer would read what follows as this frame's
+            p = self.peers[r]                  # payload: end the stream instead
+            p.tx_broken = True
+            try:
+                p.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
         self._mid.clear()
         self._release_all()
         self.link.abandon(self._wants)

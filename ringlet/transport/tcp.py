@@ -262,6 +262,20 @@ class TcpTransport(Transport):
         with self.pump.link.cv:
             return self.pump.link.take_any()
 
+    def _any_source_problem(self, ctx: OpContext) -> None:
+        """Raise if a receive from any rank cannot succeed: this side destroyed or aborted, a peer
+        aborted the group, or no peer is left that could send."""
+        live = []
+        for p in self.peers.values():
+            problem = self._p2p_problem(p, ctx)
+            if problem is not None and (isinstance(problem, GroupAbortedError) or p.rank in self.pump.link.aborted_by):
+                raise problem
+            if problem is None:
+                live.append(p.rank)
+        if not live:
+            raise ctx.error(DistBackendError, f"no rank is left to send a message: every peer of rank "
+                            f"{self.rank} has left, died or is out of step", missing=sorted(self.peers))
+
     def _wait_any_source(self, ctx: OpContext) -> int:
         """The lowest rank with a message waiting; returns with that rank's receive lock held."""
         link = self.pump.link
@@ -269,8 +283,7 @@ class TcpTransport(Transport):
             link.any_waiting(+1)
             try:
                 while True:
-                    if self.pump.aborted is not None:
-                        raise ctx.error(GroupAbortedError, f"the group was aborted on this rank: {self.pump.aborted}")
+                    self._any_source_problem(ctx)
                     r = link.take_any()
                     if r is not None and self._rx_locks[r].acquire(blocking=False):
                         return r
