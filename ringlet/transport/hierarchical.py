@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ringlet.errors import CollectiveTimeoutError, DistBackendError, GroupAbortedError
+from ringlet.errors import CollectiveTimeoutError, DistBackendError
 from ringlet.store import PrefixStore
 from ringlet.transport._tcp_algos import SMALL_ALL_REDUCE
 from ringlet.transport.arena import usable_cpus
@@ -382,8 +382,7 @@ class HierarchicalTransport(Transport):
                 r = self.tcp.pending_source()
                 if r is not None:
                     return r
-                if self.tcp.pump.aborted is not None:
-                    raise ctx.error(GroupAbortedError, f"the group was aborted on this rank: {self.tcp.pump.aborted}")
+                self.tcp.check_any_source(ctx)     # aborted, destroyed, or nobody left to send
                 remaining = ctx.deadline - time.monotonic()
                 if remaining <= 0:
                     others = [r for r in range(self.world_size) if r != self.rank]

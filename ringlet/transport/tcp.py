@@ -262,7 +262,7 @@ class TcpTransport(Transport):
         with self.pump.link.cv:
             return self.pump.link.take_any()
 
-    def _any_source_problem(self, ctx: OpContext) -> None:
+    def check_any_source(self, ctx: OpContext) -> None:
         """Raise if a receive from any rank cannot succeed: this side destroyed or aborted, a peer
         aborted the group, or no peer is left that could send."""
         live = []
@@ -283,7 +283,7 @@ class TcpTransport(Transport):
             link.any_waiting(+1)
             try:
                 while True:
-                    self._any_source_problem(ctx)
+                    self.check_any_source(ctx)
                     r = link.take_any()
                     if r is not None and self._rx_locks[r].acquire(blocking=False):
                         return r
