@@ -257,6 +257,23 @@ def destroy_with_pending_irecv(rank: int, n: int) -> tuple[str, str, float, bool
     return got[0], got[1], took, not alive
 
 
+def recv_from_a_peer_that_dies(rank: int, n: int) -> tuple[str, str, float]:
+    """Rank 0 waits in recv (with nothing else going on) while rank 1 is SIGKILLed."""
+    import signal
+
+    dist.barrier()
+    if rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        dist.recv(torch.empty(8), 1)
+        got = ("none", "")
+    except Exception as e:
+        got = (type(e).__name__, str(e))
+    return got[0], got[1], time.monotonic() - t0
+
+
 def any_source_after_peers_left(rank: int, n: int) -> tuple[str, str, float]:
     """Rank 0 receives from any rank after every other rank destroyed the group: an error soon,
     not at the deadline."""

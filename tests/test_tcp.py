@@ -210,6 +210,14 @@ def test_one_connection_per_pair_carries_collectives_and_messages_in_any_order()
 
 
 @pytest.mark.timeout(60)
+def test_receive_from_a_peer_that_dies_fails_within_a_second() -> None:
+    res = run_world(2, _tcp_workers.recv_from_a_peer_that_dies, backend="tcp", op_timeout=30.0, timeout=40)
+    etype, msg, elapsed = res[0].value
+    assert etype == "PeerFailureError" and "rank 1" in msg and "died" in msg, (etype, msg)
+    assert elapsed < 1.5, elapsed
+
+
+@pytest.mark.timeout(60)
 def test_receive_from_any_rank_fails_soon_when_every_peer_left() -> None:
     etype, msg, took = raise_first(run_world(3, _tcp_workers.any_source_after_peers_left, backend="tcp",
                                              timeout=50))[0]
