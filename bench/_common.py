@@ -137,6 +137,17 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
 # ---------------------------------------------------------------- provenance
 
 
+def emit(render: Callable[[bool], str], preamble: Callable[[bool], str], markdown_path: str | None) -> None:
+    """Print the result tables; with ``markdown_path`` also write them as Markdown, headed by the
+    provenance ``preamble``.  ``render(markdown)`` / ``preamble(markdown)`` produce the text."""
+    print()
+    print(render(False))
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write(preamble(True) + "\n" + render(True))
+        print(f"wrote {markdown_path}")
+
+
 def command_line() -> str:
     """The command as typed, e.g. ``python bench/collectives.py --quick``."""
     return shlex.join(["python", *sys.argv])

@@ -338,12 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"benchmark failed: {e}", file=sys.stderr)
             return 1
-    print()
-    print(render(cfg, values[0], markdown=False))
-    if cfg.markdown:
-        with open(cfg.markdown, "w") as f:
-            f.write(preamble(cfg, info, markdown=True) + "\n" + render(cfg, values[0], markdown=True))
-        print(f"wrote {cfg.markdown}")
+    common.emit(lambda md: render(cfg, values[0], markdown=md), lambda md: preamble(cfg, info, markdown=md),
+                cfg.markdown)
     return 0
 
 

@@ -114,17 +114,26 @@ class TcpAlgos(Movement):
             partials.append(acc)
         combine_(out, partials, op)
 
+    def _start(self, flat: torch.Tensor, op: RedOpType, factor: float | None, ctx: OpContext,
+               ranks: list[int] | None) -> tuple[list[int], int, torch.Tensor | None]:
+        """(ranks, this rank's index, its contribution) for an in-place reduction; alone, the result
+        is written at once and the contribution is None; otherwise the pump has begun ``ctx``."""
+        R = ranks or self.all
+        src = _contribution(flat, op, factor)
+        if len(R) == 1:
+            if src is not flat:
+                flat.copy_(src)
+            return R, 0, None
+        self.pump.begin(ctx)
+        return R, R.index(self.rank), src
+
     def all_reduce(self, flat: torch.Tensor, op: RedOpType, factor: float | None, ctx: OpContext,
                    ranks: list[int] | None = None) -> None:
         """Reduce the 1-d contiguous ``flat`` over ``ranks`` in place."""
-        R = ranks or self.all
-        n, m = len(R), R.index(self.rank)
-        src = _contribution(flat, op, factor)
-        if n == 1:
-            if src is not flat:
-                flat.copy_(src)
+        R, m, src = self._start(flat, op, factor, ctx, ranks)
+        if src is None:
             return
-        self.pump.begin(ctx)
+        n = len(R)
         if flat.numel() * flat.element_size() <= SMALL_ALL_REDUCE or flat.numel() < n:
             # The fold writes ``flat`` while a frame of it may still be queued (a point-to-point
             # frame holding the connection, a full socket buffer): send a copy (<= 64 KiB).
@@ -163,14 +172,10 @@ class TcpAlgos(Movement):
     def reduce(self, flat: torch.Tensor, op: RedOpType, factor: float | None, root: int,
                ctx: OpContext, ranks: list[int] | None = None) -> None:
         """Direct reduce into ``ranks[root]``'s ``flat``; the others' ``flat`` is left unchanged."""
-        R = ranks or self.all
-        n, m = len(R), R.index(self.rank)
-        src = _contribution(flat, op, factor)
-        if n == 1:
-            if src is not flat:
-                flat.copy_(src)
+        R, m, src = self._start(flat, op, factor, ctx, ranks)
+        if src is None:
             return
-        self.pump.begin(ctx)
+        n = len(R)
         if m == root:
             self._fold_from(flat, src, [i for i in range(n) if i != m], R, m, op, ctx)
         else:

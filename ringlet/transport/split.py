@@ -32,8 +32,6 @@ class DeviceSplitTransport(Transport):
 
     def __init__(self, main: Transport, lazy: dict[str, Callable[[], Transport]], name: str) -> None:
         self.main = main
-        self.rank = getattr(main, "rank", 0)
-        self.world_size = getattr(main, "world_size", 1)
         self._factories = dict(lazy)
         self._built: dict[str, Transport] = {d: main for d in main.devices}
         self._lock = threading.Lock()
