@@ -14,10 +14,13 @@ allocated once and reused every iteration.  Gradients move between ``.grad`` and
   parameter without a gradient, a non-contiguous gradient).
 
 [Note: slots of unused parameters]
-A parameter that gets no gradient on this rank contributes zeros: its slot is zeroed.  With
-bucket views its ``.grad`` may *be* that slot, so it is first detached into a private copy;
-if no rank used the parameter, that copy keeps the old gradient (torch's behaviour: a
-gradient nobody produced is left untouched), otherwise ``.grad`` becomes the averaged slot.
+A parameter whose hook did not fire in this backward contributes what its ``.grad`` holds:
+the gradient accumulated by earlier ``no_sync`` micro-batches (or zeros when it has none), so
+that every rank ends the synchronised step with the same average whichever micro-batches used
+the parameter ([Note: gradients accumulated under no_sync] in ``_reducer.py``).  With bucket
+views its ``.grad`` may *be* that slot, so it is first detached into a private copy; if no rank
+used the parameter, that copy keeps the old gradient (a gradient nobody produced is left
+untouched, as in torch), otherwise ``.grad`` becomes the averaged slot.
 """
 
 from __future__ import annotations
@@ -189,16 +192,24 @@ class Layout:
         else:
             g.copy_(slot)
 
-    def zero_slot(self, i: int) -> None:
-        """This rank contributes zeros for parameter ``i`` (see [Note: slots of unused parameters])."""
+    def contribute_held(self, i: int) -> None:
+        """Parameter ``i`` got no gradient in this backward: put what ``.grad`` holds (zeros if
+        nothing) into its slot, never reducing ``.grad`` in place (see [Note: slots of unused
+        parameters])."""
         bucket = self.bucket_of(i)
         if bucket.plan.solo:
             bucket.use_own()
         slot = self.slot(i)
-        p = self.params[i]
-        if self.as_view and p.grad is not None and _aliases(p.grad, slot):
-            p.grad = slot.clone()
-        slot.zero_()
+        g = self.params[i].grad
+        if g is None:
+            slot.zero_()
+        elif self.as_view and _aliases(g, slot):
+            self.params[i].grad = slot.clone()   # the slot already holds the values
+        elif g.layout != torch.strided:
+            raise NotImplementedError(f"DistributedDataParallel: expected dense gradients, got a "
+                                      f"{g.layout} gradient for parameter {i}")
+        else:
+            slot.copy_(g)
 
     def reset_iteration(self) -> None:
         for b in self.buckets:

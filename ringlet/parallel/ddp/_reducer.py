@@ -14,6 +14,15 @@ gradients that never came), waits for every bucket, learns which ranks produced 
 gradients (one all-gather of a byte per parameter: the used-map) and writes the results into
 ``.grad``.
 
+[Note: gradients accumulated under no_sync]
+Hooks also fire during ``no_sync`` backward passes; the reducer ignores their gradients (they
+accumulate in ``.grad``) but remembers that the parameter was used.  In the synchronised
+backward, a parameter whose hook does not fire there contributes its accumulated ``.grad``,
+and it counts as used in the used-map, so ranks that never touched it adopt the average too.
+Without this, a parameter used only in a ``no_sync`` micro-batch, or only on some ranks, would
+keep a rank-local gradient and the ranks would silently diverge (torch's reducer all-reduces
+the accumulated gradients the same way).
+
 State per iteration (``Phase``): IDLE -> PREPARED (a synchronising forward ran) -> REDUCING
 (backward started; the final callback is queued) -> IDLE (finalized).
 """
@@ -101,6 +110,9 @@ class Reducer:
         self._fired = [False] * n             # hook fired (gradient in the bucket) this iteration
         self._premarked = [False] * n         # known unused before backward; slot zeroed
         self._calls = [0] * n                 # hook calls this iteration (static graph)
+        # A gradient arrived since the last synchronised reduction, no_sync micro-batches
+        # included ([Note: gradients accumulated under no_sync]).
+        self._used_since_sync = [False] * n
         self._expected_calls: list[int] | None = None   # static graph, learned in iteration 1
         self._reachable: set[int] | None = None          # find_unused: union over this iteration's forwards
         self._next = 0                        # next bucket to launch
@@ -151,7 +163,7 @@ class Reducer:
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         for i in self._known_unused():
             self._premarked[i] = True
-            self.layout.zero_slot(i)
+            self.layout.contribute_held(i)
             self.layout.bucket_of(i).pending -= 1
         if not self._deferred():
             self._launch_ready()
@@ -169,6 +181,8 @@ class Reducer:
         return self.static_graph and self._expected_calls is None
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self._used_since_sync[i] = True
         if self.phase is Phase.IDLE:
             return                                   # no_sync, or the module used directly
         if self.phase is Phase.PREPARED:
@@ -210,7 +224,8 @@ class Reducer:
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
-        if self.skip_unused and all(self._premarked[i] and not self._fired[i] for i in bucket.plan.indices):
+        if self.skip_unused and all(self._premarked[i] and not self._fired[i] and not self._used_since_sync[i]
+                                    for i in bucket.plan.indices):
             return                                   # unused on every rank (the user promised)
         buf = bucket.buffer
         if buf is None:
@@ -297,11 +312,12 @@ class Reducer:
         done_bytes = sum(b.plan.nbytes for b in buckets if b.is_done())
         for i in range(len(self.params)):
             if not self._fired[i] and not self._premarked[i]:
-                self._premarked[i] = True            # no gradient this iteration: contribute zeros
-                self.layout.zero_slot(i)
+                self._premarked[i] = True            # no gradient this backward: what .grad holds
+                self.layout.contribute_held(i)
                 self.layout.bucket_of(i).pending -= 1
         self._launch_ready()
-        local = torch.tensor([_USED if f else _NOT_USED for f in self._fired], dtype=torch.uint8)
+        local = torch.tensor([_USED if f or u else _NOT_USED
+                              for f, u in zip(self._fired, self._used_since_sync)], dtype=torch.uint8)
         table = torch.empty(self.pg.size() * local.numel(), dtype=torch.uint8)
         work = all_gather_into_tensor(table, local, group=self.pg, async_op=True)
         divisor = self._join_divisor()
@@ -364,6 +380,7 @@ class Reducer:
         if self.phase is Phase.REDUCING:
             self.reductions += 1
             self._recording = False                  # the first reduction's order is the one kept
+            self._used_since_sync = [False] * n
         self.phase = Phase.IDLE
 
     @contextlib.contextmanager
