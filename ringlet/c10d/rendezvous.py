@@ -19,11 +19,12 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from ringlet import _env
+from ringlet._version import __version__
 from ringlet.errors import DistStoreError
 
 __all__ = ["check_ranks", "host_key", "rendezvous", "store_from_init_method"]
 
-RINGLET_VERSION = "0.1.0"
+RINGLET_VERSION = __version__
 
 
 def host_key() -> str:
