@@ -7,6 +7,7 @@ runs across processes.  Liveness of a peer is the liveness of its thread.
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 from datetime import timedelta
@@ -37,7 +38,7 @@ class InprocTransport(ArenaTransport):
         slot = slot_bytes or DEFAULT_SLOT_BYTES
         layout = ArenaLayout(world_size, slot, default_p2p_bytes(world_size, slot))
         if rank == 0:
-            key = secrets.token_hex(8)
+            key = f"{os.getpid()}:{secrets.token_hex(8)}"
             memory = bytearray(layout.total)
             with _lock:
                 _arenas[key] = (memory, {})
@@ -45,7 +46,16 @@ class InprocTransport(ArenaTransport):
         else:
             key = store.get("inproc/key").decode()
         with _lock:
-            memory, threads = _arenas[key]
+            found = _arenas.get(key)
+        if found is None:
+            owner = key.split(":", 1)[0]
+            raise ValueError(
+                f"backend 'inproc' (rank {rank}): expected every rank to be a thread of one process "
+                f"(rank 0 is process {owner}, this rank is process {os.getpid()}); 'inproc' only serves "
+                "ranks started with ringlet.testing.run_threads. For processes on one host use "
+                "'shm' (or the default 'auto')")
+        memory, threads = found
+        with _lock:
             threads[rank] = threading.current_thread()
         arena = Arena(memory, layout, rank, alive=lambda r: threads[r].is_alive(),
                       describe_peer=lambda r: f"thread {threads[r].name}")
