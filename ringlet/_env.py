@@ -7,7 +7,7 @@
 | ``RINGLET_STORE_TOKEN`` | run token a TCPStore client must present | unset |
 | ``RINGLET_STORE_TOKEN_FILE`` | file (mode 0600) holding the run token; the launcher sets it | unset |
 | ``RINGLET_SHM_SLOT_BYTES`` | bytes of one shared-memory slot (chunk size) per rank | 1 MiB |
-| ``RINGLET_SAFE_OBJECTS`` | ``1``: object collectives unpickle only builtins, containers, tensors, numpy arrays | 0 |
+| ``RINGLET_SAFE_OBJECTS`` | ``1`` on every rank: object collectives build only plain data and tensors (``torch.load(weights_only=True)``; docs/security.md) | 0 |
 | ``RINGLET_AGENT_STORE`` | ``1``: the launcher hosts the store; every rank connects as a client | 0 |
 | ``RINGLET_CHECKS`` | ``0``: skip the per-collective fingerprint comparison (for measuring its cost only) | 1 |
 | ``RINGLET_STRAGGLER_REPORT`` | seconds between per-rank straggler lines logged by the watchdog (0: off) | 0 |

@@ -1,18 +1,34 @@
 """Object collectives: pickled Python objects over the tensor collectives.
 
-Security (RELIABILITY.md, "Security"): objects are unpickled only from peers of
-the same job (shm peers are same-user by construction; network peers must pass
-the run-token handshake); every payload carries a small header (magic, format
-version, length) checked before anything is allocated; ``RINGLET_SAFE_OBJECTS=1``
-switches to a restricted unpickler that accepts only builtins, containers,
-tensors and numpy arrays.  A rank whose object cannot be pickled sends a
-"failed" marker so that its peers raise at once instead of waiting.
+[Note: object codec]
+Every payload starts with a 4-byte header naming its format, checked before anything is
+decoded; sizes are exchanged and capped (``MAX_OBJECT_BYTES``) before anything is allocated.
+
+* Default mode (as torch): the payload is a pickle (``RLO1``) and is unpickled.  Unpickling runs
+  whatever callables the bytes name, so this mode trusts every peer of the job -- which is who can
+  send: shm peers are processes of the same user, tcp peers passed the handshake keyed by the run
+  token or the host secret (docs/security.md).
+* Restricted mode (``RINGLET_SAFE_OBJECTS=1`` on every rank): the sender writes the object with
+  ``torch.save`` (``RLS1``: a zip archive) and the receiver reads it only with
+  ``torch.load(weights_only=True)``, torch's maintained unpickler that can build nothing but plain
+  data -- containers, numbers, strings, bytes, tensors, dtypes, devices -- plus whatever the user
+  allowed with ``torch.serialization.add_safe_globals``.  There is no allowlist of callables kept
+  here: a list entry that unpickles again (``torch.storage._load_from_bytes`` calls
+  ``torch.load(weights_only=False)``) would reopen everything.  A plain pickle, a non-zip payload
+  or anything the restricted unpickler refuses is an error naming the rank and the refused
+  callable or opcode; there is no fallback to an unrestricted decoder.
+
+A rank whose object cannot be encoded sends a "failed" marker so that its peers raise at once
+instead of waiting.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import pickle
+import pickletools
+import re
 from typing import Any
 
 import torch
@@ -32,50 +48,119 @@ __all__ = [
     "send_object_list",
 ]
 
-MAGIC = b"RLO1"
-MAX_OBJECT_BYTES = 1 << 31     # a peer claiming more is refused before allocation
+MAGIC = b"RLO1"          # a pickle: default (trusting) mode
+SAFE_MAGIC = b"RLS1"     # a torch.save archive: decodable by the restricted unpickler
+_ZIP = b"PK\x03\x04"
+MAX_OBJECT_BYTES = 1 << 31     # a peer claiming more is refused before allocating
 _FAILED = -1
-
-_SAFE_MODULES = {
-    "builtins": {"list", "dict", "set", "frozenset", "tuple", "int", "float", "complex", "bool", "str",
-                 "bytes", "bytearray", "slice", "range", "NoneType", "object"},
-    "collections": {"OrderedDict", "defaultdict", "deque", "Counter"},
-    "datetime": {"datetime", "date", "time", "timedelta", "timezone"},
-    "torch._utils": {"_rebuild_tensor_v2", "_rebuild_tensor", "_rebuild_parameter"},
-    "torch": {"Size", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-              "uint8", "bool", "complex64", "complex128", "FloatStorage", "DoubleStorage", "LongStorage",
-              "IntStorage", "HalfStorage", "BFloat16Storage", "ByteStorage", "BoolStorage"},
-    "torch.storage": {"_load_from_bytes"},
-    "numpy": {"ndarray", "dtype"},
-    "numpy.core.multiarray": {"_reconstruct", "scalar"},
-    "numpy._core.multiarray": {"_reconstruct", "scalar"},
-    "numpy.dtypes": {"Float64DType", "Float32DType", "Int64DType", "Int32DType", "BoolDType"},
-}
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _SAFE_MODULES.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"RINGLET_SAFE_OBJECTS=1 refuses {module}.{name} in a received object")
 
 
 def _encode(obj: Any) -> bytes | None:
+    """The payload for ``obj`` in this rank's mode, or None when it cannot be encoded."""
     try:
-        body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return _encode_or_raise(obj)
     except Exception:  # noqa: BLE001 - reported to the peers as a failure marker
         return None
-    return MAGIC + body
+
+
+def _encode_or_raise(obj: Any) -> bytes:
+    if _env.safe_objects():
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return SAFE_MAGIC + buf.getvalue()
+    return MAGIC + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _refused(rank: int, op: str, why: str) -> pickle.UnpicklingError:
+    return pickle.UnpicklingError(
+        f"{op}: RINGLET_SAFE_OBJECTS=1 refuses the object from rank {rank}: {why} (restricted mode "
+        "builds only containers, numbers, strings, bytes, tensors, dtypes and devices; see "
+        "docs/security.md)")
+
+
+def _why_refused(err: BaseException) -> str:
+    """The useful part of the restricted unpickler's error: the callable or opcode it refused."""
+    text = " ".join(ln.strip() for ln in str(err).splitlines() if ln.strip())
+    m = re.search(r"(WeightsUnpickler error: |Trying to load )(.*?)(\.? Please use|\.? Check the documentation|$)",
+                  text)
+    detail = (m.group(2) if m else text).strip()
+    op = re.search(r"Unsupported operand (\d+)", detail)
+    if op and chr(int(op.group(1))) in pickletools.code2op:
+        detail += f" (opcode {pickletools.code2op[chr(int(op.group(1)))].name})"
+    return detail
+
+
+_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING",
+               "SHORT_BINSTRING"}
+
+
+def _py3_name(module: str, name: str) -> str:
+    """``module.name`` as Python 3 spells it (protocol 2 pickles use Python 2 names: ``__builtin__``)."""
+    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
+
+
+def _named_callables(pickle_bytes: bytes, limit: int = 8) -> list[str]:
+    """The globals a pickle names (GLOBAL, INST, STACK_GLOBAL), found by parsing it, never running it."""
+    names: list[str] = []
+    strings: list[str] = []
+    try:
+        for opcode, arg, _pos in pickletools.genops(pickle_bytes):
+            if opcode.name in ("GLOBAL", "INST"):
+                module, _, name = str(arg).partition(" ")
+                names.append(_py3_name(module, name))
+            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(_py3_name(strings[-2], strings[-1]))
+            elif opcode.name in _STRING_OPS:
+                strings.append(str(arg))
+            if len(names) >= limit:
+                break
+    except Exception:  # noqa: BLE001, S110 - a malformed pickle: name what was found before the damage
+        pass
+    return list(dict.fromkeys(names))
+
+
+def _archive_pickle(archive: bytes) -> bytes:
+    """The ``data.pkl`` record of a torch.save archive (zipfile only reads; nothing is unpickled)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(archive)) as z:
+            name = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+            return z.read(name) if name is not None else b""
+    except Exception:  # noqa: BLE001 - not a readable archive: nothing to name
+        return b""
+
+
+def _with_names(why: str, pickle_bytes: bytes) -> str:
+    names = _named_callables(pickle_bytes)
+    return f"{why}; the payload names {', '.join(names)}" if names else why
+
+
+def _decode_safe(body: bytes, rank: int, op: str) -> Any:
+    if body[:4] != _ZIP:
+        raise _refused(rank, op, _with_names("expected a torch.save archive, got other bytes", body))
+    try:
+        # weights_only=True passed explicitly: no environment variable can turn it off.
+        return torch.load(io.BytesIO(body), weights_only=True, mmap=False)
+    except Exception as e:  # noqa: BLE001 - whatever went wrong, never fall back to pickle
+        raise _refused(rank, op, _with_names(_why_refused(e), _archive_pickle(body))) from None
 
 
 def _decode(data: bytes, rank: int, op: str) -> Any:
-    if data[:4] != MAGIC:
-        raise ValueError(f"{op}: the object from rank {rank} has an unknown header {data[:4]!r} (expected "
-                         f"{MAGIC!r}: a different ringlet version?)")
-    body = io.BytesIO(data[4:])
+    head, body = data[:4], data[4:]
+    if head not in (MAGIC, SAFE_MAGIC):
+        raise ValueError(f"{op}: the object from rank {rank} has an unknown header {head!r} (expected "
+                         f"{MAGIC!r} or {SAFE_MAGIC!r}: a different ringlet version?)")
     if _env.safe_objects():
-        return _SafeUnpickler(body).load()
-    return pickle.load(body)
+        if head != SAFE_MAGIC:
+            raise _refused(rank, op, _with_names("it is a plain pickle (set RINGLET_SAFE_OBJECTS=1 on "
+                                                 "every rank, so that every sender writes the "
+                                                 "restricted format)", body))
+        return _decode_safe(body, rank, op)
+    if head == SAFE_MAGIC:      # a restricted-mode sender; this rank trusts its peers
+        return torch.load(io.BytesIO(body), weights_only=False, mmap=False)
+    return pickle.loads(body)
 
 
 def _size_check(size: int, rank: int, op: str) -> None:
@@ -87,8 +172,8 @@ def _size_check(size: int, rank: int, op: str) -> None:
 
 
 def _raise_own(obj: Any, op: str) -> None:
-    pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)   # re-raises the real error locally
-    raise AssertionError(f"{op}: object failed to pickle once but not twice")
+    _encode_or_raise(obj)   # re-raises the real error locally
+    raise AssertionError(f"{op}: object failed to encode once but not twice")
 
 
 def _as_tensor(data: bytes | None, size: int) -> torch.Tensor:
