@@ -8,14 +8,16 @@ script imports this module as ``_common`` (its own folder is first on ``sys.path
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import re
 import shlex
 import statistics
+import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -178,3 +180,27 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+# ---------------------------------------------------------------- background load
+
+_BUSY = "import os, signal\nsignal.signal(signal.SIGTERM, lambda *a: os._exit(0))\nwhile True:\n    pass\n"
+
+
+@contextlib.contextmanager
+def busy_load(n: int) -> Iterator[list[int]]:
+    """``n`` unrelated processes spinning on the CPU while the block runs (``--load N``): what a
+    data-loader worker, a second job or a compiler does to a training job's cores.  They are
+    terminated (then killed) when the block ends, whatever happens in it."""
+    procs = [subprocess.Popen([sys.executable, "-c", _BUSY]) for _ in range(max(0, n))]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)

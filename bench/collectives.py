@@ -5,7 +5,8 @@ Usage::
     python bench/collectives.py [--ranks 2]
         [--ops all_reduce,broadcast,all_gather_into_tensor,reduce_scatter_tensor]
         [--min-bytes 8] [--max-bytes 256M] [--factor 4] [--repeats 5] [--backend shm|tcp|auto]
-        [--hosts 1 [--link-rate 1gbit]] [--quick] [--markdown out.md] [--op-timeout 120] [--timeout SECONDS]
+        [--hosts 1 [--link-rate 1gbit]] [--quick] [--load N] [--markdown out.md] [--op-timeout 120]
+        [--timeout SECONDS]
 
 ``--backend tcp`` runs ringlet's tcp transport on loopback.  ``--hosts H`` (root, ``ip``) runs
 ``--ranks`` ranks on each of ``H`` simulated hosts (network namespaces on a bridge; see
@@ -13,6 +14,9 @@ Usage::
 host, tcp between), a flat ringlet ``tcp`` group of the same ranks, and gloo; its tables add
 ``gloo/auto`` and ``tcp/auto``.  ``--link-rate 1gbit`` gives every simulated link a finite
 bandwidth (``tc tbf``); unlimited, the "network" is a memory copy on the same cores.
+
+``--load N`` starts ``N`` unrelated busy processes (each spins on a core) for the whole run,
+as data-loader workers or another job would: the "loaded machine" table.
 
 ``--ranks`` processes are started (forkserver, one torch thread each); every one joins a
 ringlet default group (its TCPStore hosted by this process on port 0) and a torch gloo group
@@ -78,6 +82,7 @@ class Config:
     timeout: float              # seconds, the whole run's backstop
     markdown: str | None = None
     hosts: int = 1              # > 1: simulated hosts, --ranks per host (bench/_hosts.py)
+    load: int = 0               # busy processes running beside the ranks (--load)
     link_rate: str | None = None    # --hosts: tc tbf rate of every host's link, e.g. "1gbit"
 
     def __post_init__(self) -> None:
@@ -116,6 +121,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--link-rate", default=None, metavar="RATE",
                    help="with --hosts: limit every host's link (tc tbf), e.g. 1gbit (default: unlimited)")
     p.add_argument("--quick", action="store_true", help="only 8 B, 4 KiB, 64 KiB, 1 MiB, 16 MiB")
+    p.add_argument("--load", type=int, default=0, metavar="N",
+                   help="run N unrelated busy processes beside the ranks (a loaded machine)")
     p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
     p.add_argument("--op-timeout", type=float, default=120.0, help="collective timeout, s")
     p.add_argument("--timeout", type=float, default=None,
@@ -130,7 +137,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         timeout = 120.0 + 60.0 * len(ops) * len(sizes) if a.timeout is None else a.timeout
         return Config(ranks=a.ranks, ops=ops, sizes=tuple(sizes), repeats=a.repeats,
                       backend="auto" if a.hosts > 1 else a.backend, op_timeout=a.op_timeout,
-                      timeout=timeout, markdown=a.markdown, hosts=a.hosts, link_rate=a.link_rate)
+                      timeout=timeout, markdown=a.markdown, hosts=a.hosts, link_rate=a.link_rate,
+                      load=a.load)
     except ValueError as e:
         p.error(str(e))
         raise  # unreachable: p.error exits
@@ -285,6 +293,8 @@ def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
              (f"setup: {cfg.ranks} ranks, ringlet backend {cfg.backend} vs gloo, float32, "
               f"{cfg.repeats} repeats, ~{TARGET_S} s per repeat; latency = median over repeats "
               f"of the slowest rank's mean time per call")]
+    if cfg.load:
+        lines.append(f"load: {cfg.load} unrelated busy process(es) spinning beside the ranks (--load)")
     if cfg.hosts > 1:
         link = f"links limited to {cfg.link_rate} (tc tbf)" if cfg.link_rate else "links unlimited"
         lines[-1] = (f"setup: {cfg.hosts} simulated hosts (network namespaces, veth + bridge; {link}) x {cfg.ranks} "
@@ -306,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     info = common.machine_info()
     print(preamble(cfg, info, markdown=False), flush=True)
-    with tempfile.TemporaryDirectory(prefix="ringlet-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ringlet-bench-") as tmp, common.busy_load(cfg.load):
         try:
             if cfg.hosts > 1:
                 import _hosts
