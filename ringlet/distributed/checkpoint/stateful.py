@@ -1,0 +1,5 @@
+"""``ringlet.distributed.checkpoint.stateful``: ``Stateful`` (re-export only)."""
+
+from ringlet.checkpoint.stateful import Stateful
+
+__all__ = ["Stateful"]
