@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from datetime import timedelta
 
