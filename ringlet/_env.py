@@ -6,6 +6,7 @@
 | ``RINGLET_DEBUG`` | ``OFF``, ``INFO`` or ``DETAIL`` (cross-rank fingerprint checks with call sites) | OFF |
 | ``RINGLET_STORE_TOKEN`` | run token a TCPStore client must present | unset |
 | ``RINGLET_STORE_TOKEN_FILE`` | file (mode 0600) holding the run token; the launcher sets it | unset |
+| ``RINGLET_RUNTIME_DIR`` | private (0700) directory of this user's host secrets (stores started without a token) | ``/tmp/ringlet-<uid>`` |
 | ``RINGLET_SHM_SLOT_BYTES`` | bytes of one shared-memory slot (chunk size) per rank | 1 MiB |
 | ``RINGLET_SAFE_OBJECTS`` | ``1`` on every rank: object collectives build only plain data and tensors (``torch.load(weights_only=True)``; docs/security.md) | 0 |
 | ``RINGLET_AGENT_STORE`` | ``1``: the launcher hosts the store; every rank connects as a client | 0 |
@@ -14,7 +15,6 @@
 | ``RINGLET_IFNAME`` | network interface the tcp transport listens on (default: the one that reaches the store) | unset |
 | ``RINGLET_TCP_CHUNK_BYTES`` | pipelining chunk of the tcp transport's large-message algorithms | 1 MiB |
 | ``RINGLET_FAULT`` | test-only fault injection, e.g. ``rank=1;at=collective:seq=5;do=sigkill`` | unset |
-| ``RINGLET_CKPT_FAULT`` | test-only: ``rank=1;after_bytes=N;do=sigkill`` kills that rank N bytes into writing its checkpoint shard | unset |
 """
 
 from __future__ import annotations
@@ -63,6 +63,11 @@ def store_token() -> bytes | None:
     return raw.encode() if raw else None
 
 
+def runtime_dir() -> str | None:
+    """``RINGLET_RUNTIME_DIR``: where host secrets live (None: ``/tmp/ringlet-<uid>``)."""
+    return os.environ.get("RINGLET_RUNTIME_DIR") or None
+
+
 def shm_slot_bytes() -> int:
     raw = os.environ.get("RINGLET_SHM_SLOT_BYTES")
     if not raw:
@@ -83,10 +88,6 @@ def agent_store() -> bool:
 
 def fault_spec() -> str | None:
     return os.environ.get("RINGLET_FAULT") or None
-
-
-def ckpt_fault_spec() -> str | None:
-    return os.environ.get("RINGLET_CKPT_FAULT") or None
 
 
 def env_rank() -> int | None:

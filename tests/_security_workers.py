@@ -181,3 +181,56 @@ def plain_data_round(rank: int, n: int) -> list[Any]:
     out: list[Any] = [None] * n
     dist.all_gather_object(out, obj)
     return [{**o, "t": o["t"].tolist()} for o in out]   # plain lists: the result goes through a pipe
+
+
+# -- a tcp rank started by hand (python tests/_security_workers.py mesh RANK PORT OUT FLAG) ----------
+def mesh_rank(rank: int, port: int, out: str, flag: str, timeout: float) -> None:
+    """Rank 0 reveals its mesh listener and group id to the test (the attacker's best case);
+    rank 1 waits for ``flag`` before it connects, so the test can attack rank 0's set-up."""
+    import json
+    import time
+    from datetime import timedelta
+
+    from ringlet.store import TCPStore
+    from ringlet.transport import _tcp_mesh
+
+    torch.set_num_threads(1)
+    if rank == 0:
+        accept = _tcp_mesh._accept_all
+
+        def reveal(listener: Any, me: int, token: Any, gid: bytes, *args: Any) -> Any:
+            with open(os.path.join(out, "mesh0.tmp"), "w") as f:
+                json.dump({"port": listener.getsockname()[1], "gid": gid.hex()}, f)
+            os.replace(os.path.join(out, "mesh0.tmp"), os.path.join(out, "mesh0.json"))
+            return accept(listener, me, token, gid, *args)
+        _tcp_mesh._accept_all = reveal
+    seen = [0.0]
+    if rank == 1:
+        connect = _tcp_mesh._connect
+
+        def held(*args: Any) -> Any:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            seen[0] = time.monotonic()
+            return connect(*args)
+        _tcp_mesh._connect = held
+    store = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=timeout))
+    dist.init_process_group("tcp", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=timeout))
+    done = time.monotonic()
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"value": t.item(), "after_flag_s": done - seen[0] if seen[0] else None}, f)
+    dist.destroy_process_group()
+    store.close()
+
+
+if __name__ == "__main__":
+    import ctypes
+    import signal
+    import sys
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG: die with the test
+    if sys.argv[1] == "mesh":
+        mesh_rank(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6]))

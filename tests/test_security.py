@@ -2,20 +2,35 @@
 
 1. Code execution through object collectives in restricted mode (``RINGLET_SAFE_OBJECTS=1``):
    a corpus of pickle gadgets sent by a hostile rank across real processes; none runs.
+2. Joining a job started without a run token: another user, or a process that only reached the
+   store, can neither use the store nor join the tcp mesh (host secret).
+3. Blocking set-up: idle and garbage connections during the tcp mesh's set-up.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import _security_workers as W
 import pytest
 
 from ringlet.c10d import objects
+from ringlet.errors import DistNetworkError, DistStoreError
+from ringlet.store import FileStore, TCPStore
 from ringlet.testing.procs import raise_first, run_world
+from ringlet.transport import _tcp_wire as wire
 
 pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[1]
+SHORT = timedelta(seconds=5)
 
 CALLABLE_GADGETS = [
     "os.system", "subprocess.call", "subprocess.Popen", "builtins.eval", "builtins.exec",
@@ -126,3 +141,199 @@ def test_force_no_weights_only_environment_cannot_weaken_restricted_mode(
         objects._decode(payload, 0, "broadcast_object_list")
     assert not sentinel.exists()
 
+
+
+# -- 2. authenticated by default on one host ----------------------------------------------------
+def _master(**kw: object) -> TCPStore:
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=SHORT, **kw)
+
+
+def _no_token_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RINGLET_STORE_TOKEN", "RINGLET_STORE_TOKEN_FILE", "RINGLET_RUNTIME_DIR"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGLET_STORE_TOKEN")}
+    env.pop("RINGLET_RUNTIME_DIR", None)
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]), OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def test_store_without_token_admits_same_user_processes_of_this_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_token_env(monkeypatch)
+    server = _master()
+    try:
+        code = ("import sys; from datetime import timedelta; from ringlet.store import TCPStore; "
+                "s = TCPStore('127.0.0.1', int(sys.argv[1]), timeout=timedelta(seconds=10)); "
+                "s.set('from-child', b'1'); s.close()")
+        proc = subprocess.run([sys.executable, "-c", code, str(server.port)], env=_child_env(),
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        assert server.get("from-child") == b"1"
+    finally:
+        server.close()
+
+
+def test_secret_file_is_private_and_goes_with_the_server(monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Path) -> None:
+    _no_token_env(monkeypatch)
+    monkeypatch.setenv("RINGLET_RUNTIME_DIR", str(tmp_path / "rt"))
+    stale = None
+    server = _master()
+    try:
+        sid = server._server.secret_id
+        path = tmp_path / "rt" / f"store-{sid}.secret"
+        assert oct((tmp_path / "rt").stat().st_mode & 0o777) == "0o700"
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+        # a master that died left its secret behind: the next master of this user removes it
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        stale = tmp_path / "rt" / f"store-{dead.pid}-0123456789abcdef.secret"
+        stale.write_bytes(b"x")
+        second = _master()
+        second.close()
+        assert not stale.exists()
+    finally:
+        server.close()
+    assert not path.exists()
+
+
+def test_squatted_secret_directory_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _no_token_env(monkeypatch)
+    squat = tmp_path / "squat"
+    squat.mkdir(mode=0o755)
+    squat.chmod(0o755)
+    monkeypatch.setenv("RINGLET_RUNTIME_DIR", str(squat))
+    with pytest.raises(DistStoreError, match="expected a directory owned by uid .* with mode 0700"):
+        _master()
+
+
+def test_process_without_the_secret_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """What another host, or a process that only reached the store's port, sees: refused at once
+    with a message saying that jobs across hosts need a shared run token."""
+    _no_token_env(monkeypatch)
+    server = _master()
+    try:
+        monkeypatch.setenv("RINGLET_RUNTIME_DIR", str(tmp_path / "elsewhere"))
+        started = time.monotonic()
+        with pytest.raises(DistStoreError, match="bad run token.*only processes of its user on its host.*"
+                                                 "RINGLET_STORE_TOKEN_FILE"):
+            TCPStore("127.0.0.1", server.port, timeout=SHORT)
+        assert time.monotonic() - started < 1.0
+    finally:
+        server.close()
+
+
+def test_file_store_of_another_user_is_refused(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a file owned by another user")
+    path = tmp_path / "store"
+    path.write_bytes(b"")
+    os.chown(path, 65534, 65534)
+    path.chmod(0o666)
+    with pytest.raises(DistStoreError, match="expected a file of this user"):
+        FileStore(str(path), 2)
+
+
+_AS_OTHER_USER = """
+import encodings.idna, json, os, sys  # idna: imported before we lose access to the stdlib
+from datetime import timedelta
+from ringlet.store import TCPStore
+port, secret_glob = int(sys.argv[1]), sys.argv[2]
+os.setgid(65534); os.setuid(65534)          # imports done as root; from here on: user nobody
+out = {}
+try:
+    TCPStore('127.0.0.1', port, timeout=timedelta(seconds=5))
+    out['store'] = 'joined'
+except Exception as e:
+    out['store'] = type(e).__name__ + ': ' + str(e)
+try:
+    out['read'] = open(secret_glob, 'rb').read().decode()
+except OSError as e:
+    out['read'] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def test_another_user_cannot_join_the_store_or_read_its_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    _no_token_env(monkeypatch)
+    server = _master()
+    try:
+        from ringlet.store._secret import secret_dir
+
+        path = os.path.join(str(secret_dir(create=False)), f"store-{server._server.secret_id}.secret")
+        proc = subprocess.run([sys.executable, "-c", _AS_OTHER_USER, str(server.port), path],
+                              env=_child_env(), capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads(proc.stdout)
+        assert got["store"].startswith("DistStoreError") and "bad run token" in got["store"], got
+        assert got["read"] == "PermissionError", got
+    finally:
+        server.close()
+
+
+# -- 2 and 3. the tcp mesh of a job started without a token, under attack during set-up ----------
+def _wait_file(path: Path, procs: list[subprocess.Popen[bytes]], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            logs = [p.stderr.read().decode()[-2000:] if p.poll() is not None and p.stderr else "" for p in procs]
+            pytest.fail(f"{path.name} never appeared; ranks: {[p.poll() for p in procs]} {logs}")
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(90)
+def test_tcp_setup_refuses_injection_and_survives_a_flood(monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Path) -> None:
+    """Two ranks over tcp, started by hand without a run token.  While rank 0 waits for rank 1's
+    connection, an attacker (a) cannot read the store, (b) claiming rank 1 with the right group id
+    but without the secret is refused, and (c) 100 idle plus 100 garbage connections neither fail
+    nor slow rank 1's set-up; the job then computes the right sum (3, not an injected value)."""
+    _no_token_env(monkeypatch)
+    flag = tmp_path / "go"
+    server = _master()
+    procs: list[subprocess.Popen[bytes]] = []
+    attack: list[socket.socket] = []
+    try:
+        for rank in range(2):
+            procs.append(subprocess.Popen(
+                [sys.executable, str(REPO / "tests" / "_security_workers.py"), "mesh", str(rank),
+                 str(server.port), str(tmp_path), str(flag), "20"],
+                env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        _wait_file(tmp_path / "mesh0.json", procs, 60)
+        mesh0 = json.loads((tmp_path / "mesh0.json").read_text())
+        # (a) a process that only reached the store
+        monkeypatch.setenv("RINGLET_RUNTIME_DIR", str(tmp_path / "attacker"))
+        with pytest.raises(DistStoreError, match="bad run token"):
+            TCPStore("127.0.0.1", server.port, timeout=SHORT)
+        # (b) the injection of issue 16: handshake as rank 1 with the group id but no secret
+        sock = socket.create_connection(("127.0.0.1", mesh0["port"]), timeout=5)
+        attack.append(sock)
+        with pytest.raises(DistNetworkError, match="refused this rank's connection: a bad run token"):
+            wire.connect_handshake(sock, 1, 0, 0, None, bytes.fromhex(mesh0["gid"]),
+                                   time.monotonic() + 5, "rank 0")
+        # (c) the flood
+        for i in range(200):
+            s = socket.create_connection(("127.0.0.1", mesh0["port"]), timeout=5)
+            if i % 2:
+                s.sendall(os.urandom(200))
+            attack.append(s)
+        flag.write_text("go")
+        for p in procs:
+            p.wait(timeout=60)
+        assert [p.returncode for p in procs] == [0, 0], [p.stderr.read().decode()[-3000:] for p in procs if p.stderr]
+        res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+        assert [r["value"] for r in res] == [3.0, 3.0]
+        assert res[1]["after_flag_s"] < 1.5, res   # normal set-up takes milliseconds
+    finally:
+        for s in attack:
+            s.close()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=10)
+        server.close()

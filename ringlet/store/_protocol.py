@@ -2,12 +2,16 @@
 
 [Note: store protocol]
 1. On accept the server sends ``SERVER_HELLO``: magic, version, flags (token
-   required?) and a 32-byte random nonce.
+   required? a host secret?), a 32-byte random nonce and, for a host secret, the id
+   of its file ([Note: host secret] in ``_secret``).
 2. The client answers with a fixed-size ``CLIENT_HELLO``: magic, version, flags
    (MAC present, counts as a participant), ``HMAC-SHA256(token, nonce)`` and the
-   rank it claims (-1: none). Fixed sizes mean nothing an unauthenticated peer
-   sends can make the server allocate; a peer that has not finished within the
-   handshake deadline is dropped (anti-slowloris, RELIABILITY.md S6).
+   rank it claims (-1: none); a client without a token proves the host secret
+   instead. Fixed sizes mean nothing an unauthenticated peer sends can make the
+   server allocate; a peer that has not finished within the handshake deadline is
+   dropped (anti-slowloris), and at most ``MAX_PENDING`` connections may be waiting
+   in their handshake (the oldest is dropped for a new one), so idle or garbage
+   connections can never delay authenticated clients.
 3. The server answers one status byte (``HS_OK`` or a refusal, then closes).
 4. Then requests and responses are frames: ``!Q`` payload length, then payload =
    ``!BI`` (op or status, argc) and argc ``!I``-length-prefixed byte strings.
@@ -28,10 +32,11 @@ import struct
 import time
 
 from ringlet.errors import DistNetworkError, DistStoreError
+from ringlet.store._secret import read_secret
 from ringlet.store.base import parse_counter
 
 MAGIC = b"RNGLSTOR"
-VERSION = 1
+VERSION = 2     # 2: the greeting names the host secret
 MAX_KEY_BYTES = 4 << 10  # 4 KiB, as RELIABILITY.md "Security" asks
 MAX_VALUE_BYTES = 64 << 20  # 64 MiB per value
 MAX_ARGS = 1 << 16  # keys of one multi_get/multi_set
@@ -39,14 +44,16 @@ MAX_REQUEST_BYTES = MAX_VALUE_BYTES + (1 << 20)  # one value plus room for keys 
 MAX_RESPONSE_BYTES = 1 << 34  # a multi_get may return many values; the server is trusted
 MAX_KEYS = 1 << 22  # keys per store (per job)
 MAX_CONNECTIONS = 4096
+MAX_PENDING = 256  # connections still in their handshake; the oldest goes when a new one comes
 HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection is dropped after this
 
 # Handshake flags.
 SERVER_NEEDS_TOKEN = 1
+SERVER_HOST_SECRET = 2  # the token is the host secret named in the greeting
 CLIENT_HAS_MAC = 1
 CLIENT_JOINS = 2  # this connection is a participant (counts towards world_size)
 
-SERVER_HELLO = struct.Struct("!8sHH32s")
+SERVER_HELLO = struct.Struct("!8sHH32s24s")  # ..., nonce, host secret id (NUL-padded)
 CLIENT_HELLO = struct.Struct("!8sHH32si")
 HS_OK, HS_BAD_TOKEN, HS_BAD_VERSION = 0, 1, 2
 
@@ -154,29 +161,35 @@ class DeadlinePassed(Exception):
 
 def client_handshake(
     sock: socket.socket, token: bytes | None, join: bool, rank: int, deadline: float, where: str
-) -> None:
-    """The client's half of the handshake (see the note at the top).
+) -> bytes | None:
+    """The client's half of the handshake (see the note at the top); returns the token it proved
+    (``token``, or the host secret it read when it had none).
 
     Raises:
-        DistStoreError: the server refused our run token.
+        DistStoreError: the server refused our run token, or holds a host secret this
+            process cannot read (another host or another user).
         DistNetworkError: the peer is not a ringlet store, or speaks another version.
         ConnectionLost, DeadlinePassed: worth a retry (server full or restarting).
     """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    magic, version, _flags, nonce = SERVER_HELLO.unpack(recv_exact(sock, SERVER_HELLO.size, deadline))
+    hello = recv_exact(sock, SERVER_HELLO.size, deadline)
+    magic, version, server_flags, nonce, sid = SERVER_HELLO.unpack(hello)
     if magic != MAGIC:
         raise DistNetworkError(
             f"the peer at {where} is not a ringlet store (greeting {magic!r})", store=where
         )
+    host_secret = token is None and bool(server_flags & SERVER_HOST_SECRET)
+    if host_secret:
+        token = read_secret(sid.rstrip(b"\0").decode("ascii", "replace"))
     mac = token_mac(token, nonce) if token else bytes(32)
     flags = (CLIENT_HAS_MAC if token else 0) | (CLIENT_JOINS if join else 0)
     sock.settimeout(max(deadline - time.monotonic(), 0.01))
     sock.sendall(CLIENT_HELLO.pack(MAGIC, VERSION, flags, mac, rank))
     (status,) = recv_exact(sock, 1, deadline)
     if status == HS_BAD_TOKEN:
-        hint = "" if token else " (this client has no token: set RINGLET_STORE_TOKEN_FILE)"
         raise DistStoreError(
-            f"store refused the connection: bad run token ({where}){hint}", store=where
+            f"store refused the connection: bad run token ({where}){_token_hint(token, host_secret)}",
+            store=where,
         )
     if status != HS_OK:
         raise DistNetworkError(
@@ -184,6 +197,18 @@ def client_handshake(
             "expected the same ringlet version on every host",
             store=where,
         )
+    return token
+
+
+def _token_hint(token: bytes | None, host_secret: bool) -> str:
+    if host_secret and token is None:
+        return (" -- the store was started without a run token, so only processes of its user on "
+                "its host (which read its host secret) may join; for ranks on several hosts give "
+                "every rank the same token: RINGLET_STORE_TOKEN_FILE, or ringlet-run's "
+                "--rdzv-token-file")
+    if token is None:
+        return " (this client has no token: set RINGLET_STORE_TOKEN_FILE)"
+    return ""
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:

@@ -11,6 +11,7 @@ Wire format and handshake: [Note: store protocol] in ``_protocol``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import hmac
 import logging
@@ -25,6 +26,7 @@ from typing import Any
 
 from ringlet.errors import DistNetworkError
 from ringlet.store import _protocol as P
+from ringlet.store._secret import create_secret, remove_secret
 
 log = logging.getLogger("ringlet.store")
 
@@ -50,7 +52,7 @@ class _Conn:
 class StoreServer:
     """The store server loop (runs in a daemon thread of the master process)."""
 
-    def __init__(self, listener: socket.socket, token: bytes | None, host: str) -> None:
+    def __init__(self, listener: socket.socket, token: bytes, host: str, secret_id: str = "") -> None:
         bound_ip, self.port = listener.getsockname()[:2]
         # Where the master's own client connects: the bound address, loopback for "any".
         self.connect_host: str = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bound_ip, bound_ip)
@@ -58,7 +60,10 @@ class StoreServer:
         self.refs = 1  # TCPStore instances using this server (multi_tenant shares it)
         self.shared_key: tuple[str, int] | None = None
         self._listener = listener
-        self._token = token
+        self.token = token  # the run token, or the host secret of ``secret_id``
+        self.secret_id = secret_id  # [Note: host secret] in _secret; "" for a run token
+        self._accept_paused_until = 0.0  # EMFILE back-off: the listener is out of the selector
+        self._accept_backoff = 0.0
         self._handshake_s = P.HANDSHAKE_TIMEOUT_S  # read now, so tests can shorten it
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -85,6 +90,8 @@ class StoreServer:
         if os.getpid() != self._pid:
             return  # a forked copy: the server belongs to the parent
         self._stopping = True
+        if self.secret_id:
+            remove_secret(self.secret_id)
         try:
             self._wake_w.send(b"x")
         except OSError:
@@ -110,6 +117,7 @@ class StoreServer:
                 for key, _ in self._sel.select(self._next_timeout()):
                     self._dispatch(key)
                 self._expire_handshakes()
+                self._resume_accepting()
         except Exception:  # a bug here must not spam every rank; log once and shut down
             log.exception("store server %s failed; shutting down", self.where)
         finally:
@@ -120,9 +128,12 @@ class StoreServer:
             self._sel.close()
 
     def _next_timeout(self) -> float | None:
-        if not self._unauthed:
+        wakes = [c.deadline for c in self._unauthed if not c.closed][:1]
+        if self._accept_paused_until:
+            wakes.append(self._accept_paused_until)
+        if not wakes:
             return None
-        return max(0.0, self._unauthed[0].deadline - time.monotonic())
+        return max(0.0, min(wakes) - time.monotonic())
 
     def _expire_handshakes(self) -> None:
         now = time.monotonic()
@@ -166,20 +177,44 @@ class StoreServer:
                 sock, _addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # EMFILE and friends: keep serving existing clients
-                log.debug("store %s: accept failed: %s", self.where, e)
+            except OSError as e:
+                # EMFILE/ENFILE/ENOBUFS: the pending connection stays queued, so the listener stays
+                # readable and select() would return at once forever.  Stop watching it for a while
+                # (doubling, up to 1 s) and keep serving the clients already connected.
+                self._pause_accepting(e)
                 return
+            self._accept_backoff = 0.0
             if len(self._conns) >= P.MAX_CONNECTIONS:
                 sock.close()
                 continue
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, os.urandom(32), time.monotonic() + self._handshake_s)
-            self._conns.add(conn)
-            self._unauthed.append(conn)
-            self._sel.register(sock, selectors.EVENT_READ, conn)
-            flags = P.SERVER_NEEDS_TOKEN if self._token else 0
-            self._send(conn, P.SERVER_HELLO.pack(P.MAGIC, P.VERSION, flags, conn.nonce))
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        pending = [c for c in self._unauthed if c.reader is None and not c.closed]
+        if len(pending) >= P.MAX_PENDING:   # the oldest unauthenticated one makes room
+            self._drop(pending[0])
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = _Conn(sock, os.urandom(32), time.monotonic() + self._handshake_s)
+        self._conns.add(conn)
+        self._unauthed.append(conn)
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+        flags = P.SERVER_NEEDS_TOKEN | (P.SERVER_HOST_SECRET if self.secret_id else 0)
+        sid = self.secret_id.encode("ascii")
+        self._send(conn, P.SERVER_HELLO.pack(P.MAGIC, P.VERSION, flags, conn.nonce, sid))
+
+    def _pause_accepting(self, err: OSError) -> None:
+        self._accept_backoff = min(max(self._accept_backoff * 2, 0.01), 1.0)
+        self._accept_paused_until = time.monotonic() + self._accept_backoff
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(self._listener)
+        log.warning("store %s: accept failed (%s); not accepting for %.2f s", self.where, err,
+                    self._accept_backoff)
+
+    def _resume_accepting(self) -> None:
+        if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            self._sel.register(self._listener, selectors.EVENT_READ, "accept")
 
     def _on_readable(self, conn: _Conn) -> None:
         if conn.reader is None:  # handshake: read no more than the fixed-size hello
@@ -203,8 +238,8 @@ class StoreServer:
         status = P.HS_OK
         if version != P.VERSION:
             status = P.HS_BAD_VERSION
-        elif self._token is not None and not (
-            flags & P.CLIENT_HAS_MAC and hmac.compare_digest(mac, P.token_mac(self._token, conn.nonce))
+        elif not (
+            flags & P.CLIENT_HAS_MAC and hmac.compare_digest(mac, P.token_mac(self.token, conn.nonce))
         ):
             status = P.HS_BAD_TOKEN
         if status != P.HS_OK:
@@ -299,7 +334,14 @@ def acquire_server(
             server.refs += 1
             return server
         listener = listener_from_fd(listen_fd) if listen_fd is not None else bind_listener(host, port)
-        server = StoreServer(listener, token, host)
+        secret_id = ""
+        if token is None:   # [Note: host secret]: same-user processes of this host can still join
+            try:
+                secret_id, token = create_secret()
+            except BaseException:
+                listener.close()
+                raise
+        server = StoreServer(listener, token, host, secret_id)
         if shared:
             server.shared_key = (host, server.port)
             _SHARED[server.shared_key] = server

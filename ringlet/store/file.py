@@ -113,6 +113,13 @@ class FileStore(Store):
                 store=self._path,
             ) from None
         st = os.fstat(self._fd)
+        if st.st_uid != os.geteuid():   # writable by us yet another user's: anyone could inject keys
+            os.close(self._fd)
+            raise DistStoreError(
+                f"FileStore {self._path}: expected a file of this user (uid {os.geteuid()}), got one "
+                f"owned by uid {st.st_uid}; use a fresh path in a private directory",
+                store=self._path,
+            )
         self._identity = (st.st_dev, st.st_ino)
         self._pid = os.getpid()
         self._data, self._offset = {}, 0

@@ -68,7 +68,9 @@ class TCPStore(Store):
         multi_tenant: several master instances in one process share one server per port.
         master_listen_fd: an already bound listening socket for the server to use.
         use_libuv: accepted for torch compatibility; ignored.
-        token: run token for the HMAC handshake (default ``RINGLET_STORE_TOKEN[_FILE]``).
+        token: run token for the HMAC handshake (default ``RINGLET_STORE_TOKEN[_FILE]``).  A
+            master without one draws a host secret that only processes of its user on its host
+            can read, and clients without one prove that secret ([Note: host secret]).
         rank: the rank this instance claims when joining (default ``RANK``), named in
             ``wait_for_workers`` errors.
 
@@ -130,6 +132,7 @@ class TCPStore(Store):
     def _start_server(self, multi_tenant: bool, listen_fd: int | None) -> None:
         self._server = acquire_server(self._host, self._port, self._token, listen_fd, multi_tenant)
         self._port, self._connect_host = self._server.port, self._server.connect_host
+        self._token = self._server.token   # the run token, or the host secret it drew
 
     def _wait_for_workers(self, n: int) -> None:
         if self._server is None:
@@ -189,7 +192,8 @@ class TCPStore(Store):
 
     def _handshake(self, sock: socket.socket, join: bool, deadline: float) -> _ClientConn:
         rank = self._rank if join and self._rank is not None else -1
-        P.client_handshake(sock, self._token, join, rank, deadline, self._where)
+        # Without a token the handshake proves the host secret; later connections reuse it.
+        self._token = P.client_handshake(sock, self._token, join, rank, deadline, self._where)
         conn = _ClientConn(sock)
         with self._conns_lock:
             self._conns.add(conn)
@@ -388,6 +392,17 @@ class TCPStore(Store):
         with contextlib.suppress(Exception):
             if not getattr(self, "_closed", True):
                 self.close()
+
+
+def effective_token(store: Store) -> bytes | None:
+    """The secret a store's clients proved: its run token or host secret (None for other stores).
+
+    The tcp transport keys its connection handshake with it, so that only processes that could
+    authenticate to the store can join the mesh.  ``PrefixStore`` layers are looked through.
+    """
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store   # type: ignore[attr-defined]
+    return store._token if isinstance(store, TCPStore) else None
 
 
 def _validate(host: object, port: object, world_size: object, is_master: bool) -> None:

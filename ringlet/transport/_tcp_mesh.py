@@ -19,20 +19,30 @@ import json
 import logging
 import os
 import secrets
+import selectors
 import socket
 import time
 from datetime import timedelta
 from typing import Any
 
 from ringlet.errors import DistNetworkError, DistStoreError
-from ringlet.store._protocol import ConnectionLost, DeadlinePassed
-from ringlet.transport._tcp_wire import accept_handshake, connect_handshake
+from ringlet.store._protocol import ConnectionLost
+from ringlet.store.tcp import effective_token
+from ringlet.transport._tcp_wire import (
+    CONNECT_HELLO,
+    HS_OK,
+    accept_hello,
+    connect_handshake,
+    judge_connect_hello,
+    refusal,
+)
 
 __all__ = ["Peer", "build_mesh"]
 
 log = logging.getLogger("ringlet")
 
 HANDSHAKE_S = 5.0     # an accepted connection must finish its handshake within this (anti-slowloris)
+MAX_PENDING = 64      # connections in their handshake at once; a new one drops the oldest
 # A send buffer that holds a whole pipelining chunk or more lets a rank hand its next chunks to the
 # kernel while its peer is busy reducing, instead of waiting for autotuning to grow from 16 KiB
 # (measured on loopback here: 1 MiB all_reduce 1.1 ms with it, 2.2-3.0 ms without, noisy box).
@@ -72,7 +82,7 @@ def _bind_listener(host: str, group: str) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.bind((host, 0))
-        sock.listen(128)
+        sock.listen(1024)   # a burst of strangers must not fill the backlog before we accept
     except OSError as e:
         sock.close()
         name = errno.errorcode.get(e.errno or 0, str(e.errno))
@@ -98,6 +108,8 @@ def build_mesh(store: Any, rank: int, world_size: int, timeout: float, group: st
         DistStoreError: a rank never published its address within ``timeout``.
     """
     deadline = time.monotonic() + timeout
+    if token is None:   # no run token: the store's host secret keys the handshake (docs/security.md)
+        token = effective_token(store)
     listener = _bind_listener(host, group)
     socks: dict[tuple[int, int], socket.socket] = {}
     try:
@@ -166,38 +178,138 @@ def _connect(info: dict[str, Any], my_host: str, me: int, target: int, channel: 
         delay = min(delay * 2, 0.5)
 
 
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    """An accepted connection that has not finished its handshake."""
+
+    sock: socket.socket
+    ip: str
+    nonce: bytes
+    deadline: float
+    got: bytearray = dataclasses.field(default_factory=bytearray)
+
+
+class _Acceptor:
+    """Accepts and handshakes many connections at once on non-blocking sockets.
+
+    Each connection has its own deadline (``HANDSHAKE_S``), so an idle or slow one never delays
+    another; at most ``MAX_PENDING`` wait in their handshake (a new arrival drops the oldest, whose
+    connector -- if it was a real rank -- retries); garbage is dropped as soon as its fixed-size
+    hello is complete.  Only (rank, channel) pairs of the rendezvous table still awaited, from the
+    address that rank published, with the right MAC, are admitted.
+    """
+
+    def __init__(self, listener: socket.socket, me: int, token: bytes | None, gid: bytes,
+                 expected: dict[tuple[int, int], str], group: str) -> None:
+        self.listener, self.me, self.token, self.gid = listener, me, token, gid
+        self.expected, self.group = expected, group
+        self.got: dict[tuple[int, int], socket.socket] = {}
+        self.refused: list[str] = []
+        self.pending: dict[socket.socket, _Pending] = {}   # in accept order
+        self.sel = selectors.DefaultSelector()
+        listener.setblocking(False)
+        self.sel.register(listener, selectors.EVENT_READ, None)
+
+    def run(self, deadline: float) -> dict[tuple[int, int], socket.socket]:
+        try:
+            while self.expected:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise self._missing_error()
+                wake = min([deadline] + [p.deadline for p in self.pending.values()])
+                for key, _ in self.sel.select(max(wake - now, 0.0)):
+                    if key.data is None:
+                        self._accept_batch()
+                    else:
+                        self._advance(key.data)
+                self._expire(time.monotonic())
+            return self.got
+        except BaseException:
+            for s in self.got.values():
+                s.close()
+            raise
+        finally:
+            for p in list(self.pending.values()):
+                self._drop(p, None)
+            self.sel.close()
+
+    def _missing_error(self) -> DistNetworkError:
+        missing = sorted({r for r, _ in self.expected})
+        why = f"; refused: {'; '.join(self.refused[-3:])}" if self.refused else ""
+        host, port = self.listener.getsockname()[:2]
+        return DistNetworkError(f"group {self.group}: ranks {missing} never connected to rank {self.me} at "
+                                f"{host}:{port} within the timeout{why}", missing=missing)
+
+    def _accept_batch(self) -> None:
+        for _ in range(64):          # bounded; the selector reports the rest
+            try:
+                sock, addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:     # EMFILE and friends: the connectors retry
+                log.warning("group %s: rank %d could not accept: %s", self.group, self.me, e)
+                return
+            if len(self.pending) >= MAX_PENDING:
+                self._drop(next(iter(self.pending.values())), "too many connections in their handshake")
+            hello, nonce = accept_hello(self.me)
+            sock.setblocking(False)
+            p = _Pending(sock, addr[0], nonce, time.monotonic() + HANDSHAKE_S)
+            try:
+                sock.send(hello)     # a few dozen bytes into an empty socket buffer
+            except OSError:
+                sock.close()
+                continue
+            self.pending[sock] = p
+            self.sel.register(sock, selectors.EVENT_READ, p)
+
+    def _advance(self, p: _Pending) -> None:
+        try:
+            data = p.sock.recv(CONNECT_HELLO.size - len(p.got))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._drop(p, str(e))
+            return
+        if not data:
+            self._drop(p, "closed during the handshake")
+            return
+        p.got += data
+        if len(p.got) < CONNECT_HELLO.size:
+            return
+        try:
+            status, claimed, channel, reply = judge_connect_hello(
+                bytes(p.got), self.me, p.nonce, self.token, self.gid, self.expected, p.ip)
+            p.sock.send(reply)
+        except (DistNetworkError, OSError) as e:
+            self._drop(p, str(e))
+            return
+        if status != HS_OK:
+            self._drop(p, str(refusal(status, claimed, channel, p.ip)))
+            return
+        self.sel.unregister(p.sock)
+        del self.pending[p.sock]
+        self.got[(claimed, channel)] = p.sock
+        del self.expected[(claimed, channel)]
+
+    def _expire(self, now: float) -> None:
+        for p in [p for p in self.pending.values() if p.deadline <= now]:
+            self._drop(p, "did not finish its handshake in time")
+
+    def _drop(self, p: _Pending, why: str | None) -> None:
+        self.pending.pop(p.sock, None)
+        try:
+            self.sel.unregister(p.sock)
+        except (KeyError, ValueError):
+            pass
+        p.sock.close()
+        if why is not None:
+            log.debug("group %s: rank %d dropped a connection from %s: %s", self.group, self.me, p.ip, why)
+            self.refused.append(f"{p.ip}: {why}")
+            del self.refused[:-8]
+
+
 def _accept_all(listener: socket.socket, me: int, token: bytes | None, gid: bytes,
                 expected: dict[tuple[int, int], str], deadline: float,
                 group: str) -> dict[tuple[int, int], socket.socket]:
-    """Accept until every expected (rank, channel) connected; strangers are dropped."""
-    got: dict[tuple[int, int], socket.socket] = {}
-    refused: list[str] = []
-    try:
-        while expected:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted({r for r, _ in expected})
-                why = f"; refused: {'; '.join(refused[-3:])}" if refused else ""
-                host, port = listener.getsockname()[:2]
-                raise DistNetworkError(f"group {group}: ranks {missing} never connected to rank {me} at "
-                                       f"{host}:{port} within the timeout{why}", missing=missing)
-            listener.settimeout(remaining)
-            try:
-                sock, addr = listener.accept()
-            except TimeoutError:
-                continue
-            try:
-                key = accept_handshake(sock, me, token, gid, expected,
-                                       min(deadline, time.monotonic() + HANDSHAKE_S))
-            except (DistNetworkError, DeadlinePassed, ConnectionLost, OSError) as e:
-                log.warning("group %s: rank %d dropped a connection from %s: %s", group, me, addr[0], e)
-                refused.append(str(e))
-                sock.close()
-                continue
-            got[key] = sock
-            del expected[key]
-    except BaseException:
-        for s in got.values():
-            s.close()
-        raise
-    return got
+    """Accept until every expected (rank, channel) connected; strangers are dropped (``_Acceptor``)."""
+    return _Acceptor(listener, me, token, gid, expected, group).run(deadline)

@@ -26,8 +26,12 @@ acceptor checks the claimed rank against the rendezvous table (a rank that must
 connect to it, from the address that rank published), the MAC, and answers a
 status byte plus its own MAC over the connector's nonce, so both ends know the
 other holds the run token (``ringlet._env.store_token``; the same HMAC as the
-TCPStore handshake, ``ringlet.store._protocol.token_mac``).  Fixed-size hellos:
-nothing an unauthenticated peer sends makes anyone allocate.
+TCPStore handshake, ``ringlet.store._protocol.token_mac``) -- or, in a job started
+without one, the store's host secret ([Note: host secret] in ``ringlet.store._secret``),
+and the group id, which only the store's authenticated clients can read.  Fixed-size
+hellos: nothing an unauthenticated peer sends makes anyone allocate.  The acceptor
+handshakes every connection at once on non-blocking sockets, each with its own
+deadline, so idle or garbage connections never delay a rank (``_tcp_mesh._Acceptor``).
 """
 
 from __future__ import annotations
@@ -44,15 +48,20 @@ from ringlet.store._protocol import DeadlinePassed, recv_exact, token_mac
 __all__ = [
     "ABORT",
     "BYE",
+    "CONNECT_HELLO",
     "DATA",
     "FRAME_MAGIC",
     "HEADER",
+    "HS_OK",
     "P2P",
     "accept_handshake",
+    "accept_hello",
     "connect_handshake",
     "header",
     "interface_address",
+    "judge_connect_hello",
     "parse_header",
+    "refusal",
     "route_source",
 ]
 
@@ -87,18 +96,23 @@ def _mac(token: bytes | None, role: bytes, nonce: bytes, group_id: bytes, a: int
     return token_mac(token or b"", role + nonce + group_id + struct.pack("!iiB", a, b, channel))
 
 
-def accept_handshake(sock: socket.socket, me: int, token: bytes | None, group_id: bytes,
-                     expected: dict[tuple[int, int], str], deadline: float) -> tuple[int, int]:
-    """Acceptor's half; returns (peer rank, channel) or raises ``DistNetworkError`` (refused).
-
-    ``expected`` maps (rank, channel) of the connections still awaited to the address the
-    rank published; a claim outside it, from another address, or with a bad MAC is refused.
-    """
-    peer_ip = sock.getpeername()[0]
+def accept_hello(me: int) -> tuple[bytes, bytes]:
+    """The acceptor's greeting and the nonce it carries (the acceptor speaks first)."""
     nonce = _nonce()
-    sock.settimeout(max(deadline - time.monotonic(), 0.01))
-    sock.sendall(ACCEPT_HELLO.pack(HS_MAGIC, HS_VERSION, me, nonce))
-    raw = recv_exact(sock, CONNECT_HELLO.size, deadline)
+    return ACCEPT_HELLO.pack(HS_MAGIC, HS_VERSION, me, nonce), nonce
+
+
+def judge_connect_hello(raw: bytes, me: int, nonce: bytes, token: bytes | None, group_id: bytes,
+                        expected: dict[tuple[int, int], str], peer_ip: str) -> tuple[int, int, int, bytes]:
+    """Check a connector's fixed-size hello (pure: no I/O).
+
+    Returns (status, claimed rank, channel, the reply to send).  A claim outside ``expected`` --
+    the (rank, channel) pairs of the rendezvous table still awaited, each with the address that
+    rank published -- is ``HS_BAD_RANK``; a wrong MAC ``HS_BAD_TOKEN``.
+
+    Raises:
+        DistNetworkError: the bytes are not a ringlet tcp hello at all.
+    """
     magic, version, claimed, target, channel, cnonce, mac = CONNECT_HELLO.unpack(raw)
     if magic != HS_MAGIC:
         raise DistNetworkError(f"connection from {peer_ip} is not a ringlet tcp peer")
@@ -110,11 +124,30 @@ def accept_handshake(sock: socket.socket, me: int, token: bytes | None, group_id
     elif not hmac.compare_digest(mac, _mac(token, b"c", nonce, group_id, claimed, me, channel)):
         status = HS_BAD_TOKEN
     if status != HS_OK:
-        sock.sendall(bytes([status]) + bytes(32))
-        raise DistNetworkError(
-            f"refused a connection from {peer_ip} claiming rank {claimed} (channel {channel}): "
-            f"{_REFUSALS[status]}", peer=claimed, address=peer_ip)
-    sock.sendall(bytes([HS_OK]) + _mac(token, b"a", cnonce, group_id, me, claimed, channel))
+        return status, claimed, channel, bytes([status]) + bytes(32)
+    return status, claimed, channel, bytes([HS_OK]) + _mac(token, b"a", cnonce, group_id, me, claimed, channel)
+
+
+def refusal(status: int, claimed: int, channel: int, peer_ip: str) -> DistNetworkError:
+    return DistNetworkError(
+        f"refused a connection from {peer_ip} claiming rank {claimed} (channel {channel}): "
+        f"{_REFUSALS[status]}", peer=claimed, address=peer_ip)
+
+
+def accept_handshake(sock: socket.socket, me: int, token: bytes | None, group_id: bytes,
+                     expected: dict[tuple[int, int], str], deadline: float) -> tuple[int, int]:
+    """Acceptor's half on a blocking socket; returns (peer rank, channel) or raises
+    ``DistNetworkError`` (refused).  The mesh itself runs the same steps on non-blocking sockets,
+    many at once (``_tcp_mesh``)."""
+    peer_ip = sock.getpeername()[0]
+    hello, nonce = accept_hello(me)
+    sock.settimeout(max(deadline - time.monotonic(), 0.01))
+    sock.sendall(hello)
+    raw = recv_exact(sock, CONNECT_HELLO.size, deadline)
+    status, claimed, channel, reply = judge_connect_hello(raw, me, nonce, token, group_id, expected, peer_ip)
+    sock.sendall(reply)
+    if status != HS_OK:
+        raise refusal(status, claimed, channel, peer_ip)
     return claimed, channel
 
 
