@@ -15,6 +15,7 @@
 | ``RINGLET_IFNAME`` | network interface the tcp transport listens on (default: the one that reaches the store) | unset |
 | ``RINGLET_TCP_CHUNK_BYTES`` | pipelining chunk of the tcp transport's large-message algorithms | 1 MiB |
 | ``RINGLET_FAULT`` | test-only fault injection, e.g. ``rank=1;at=collective:seq=5;do=sigkill`` | unset |
+| ``RINGLET_CKPT_FAULT`` | test-only: ``rank=1;after_bytes=N;do=sigkill`` kills that rank N bytes into writing its checkpoint shard | unset |
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ def agent_store() -> bool:
 
 def fault_spec() -> str | None:
     return os.environ.get("RINGLET_FAULT") or None
+
+
+def ckpt_fault_spec() -> str | None:
+    return os.environ.get("RINGLET_CKPT_FAULT") or None
 
 
 def env_rank() -> int | None:
