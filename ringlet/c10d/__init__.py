@@ -1,6 +1,9 @@
 """Process groups and collectives (the c10d layer): ringlet's own implementation."""
 
+from ringlet.c10d.coalescing import _coalescing_manager
 from ringlet.c10d.collectives import (
+    _all_gather_base,
+    _reduce_scatter_base,
     all_gather,
     all_gather_coalesced,
     all_gather_into_tensor,
@@ -28,6 +31,7 @@ from ringlet.c10d.objects import (
 )
 from ringlet.c10d.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from ringlet.c10d.reduce_op import ReduceOp, _make_nccl_premul_sum, reduce_op
+from ringlet.c10d.subgroups import split_group
 from ringlet.c10d.tools import agree, report_stragglers, stats
 from ringlet.c10d.work import Work
 from ringlet.c10d.world import (
@@ -63,5 +67,6 @@ __all__ = [  # noqa: RUF022
     "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv", "isend",
     "monitored_barrier", "recv", "recv_object_list", "reduce", "reduce_op", "reduce_scatter",
     "reduce_scatter_tensor", "report_stragglers", "scatter", "scatter_object_list", "send",
-    "send_object_list", "stats",
+    "send_object_list", "stats", "split_group", "_coalescing_manager", "_all_gather_base",
+    "_reduce_scatter_base",
 ]

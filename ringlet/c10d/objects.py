@@ -290,24 +290,26 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
 
 
 def send_object_list(object_list: list[Any], dst: int | None = None, group: Any = None, device: Any = None,
-                     group_dst: int | None = None) -> None:
-    """Send the objects of ``object_list`` to ``dst`` (pairs with :func:`recv_object_list`)."""
+                     group_dst: int | None = None, use_batch: bool = False) -> None:
+    """Send the objects of ``object_list`` to ``dst`` (pairs with :func:`recv_object_list`);
+    ``use_batch=True`` sends through ``batch_isend_irecv``, as torch's does."""
     data = _encode(list(object_list))
     size = len(data) if data is not None else _FAILED
-    p2p.send(torch.tensor([size], dtype=torch.int64), dst, group, group_dst=group_dst)
+    p2p.send_one(torch.tensor([size], dtype=torch.int64), dst, group, group_dst, use_batch)
     if data is None:
         _raise_own(list(object_list), "send_object_list")
-    p2p.send(_as_tensor(data, size), dst, group, group_dst=group_dst)
+    p2p.send_one(_as_tensor(data, size), dst, group, group_dst, use_batch)
 
 
 def recv_object_list(object_list: list[Any], src: int | None = None, group: Any = None, device: Any = None,
-                     group_src: int | None = None) -> int:
-    """Receive objects into ``object_list``; returns the sender's global rank."""
+                     group_src: int | None = None, use_batch: bool = False) -> int:
+    """Receive objects into ``object_list``; returns the sender's global rank (``use_batch``: as
+    :func:`send_object_list`)."""
     size = torch.zeros(1, dtype=torch.int64)
-    sender = p2p.recv(size, src, group, group_src=group_src)
+    sender = p2p.recv_one(size, src, group, group_src, use_batch)
     _size_check(int(size), sender, "recv_object_list")
     buf = torch.empty(int(size), dtype=torch.uint8)
-    p2p.recv(buf, sender, group)
+    p2p.recv_one(buf, sender, group, None, use_batch)
     got = _decode(buf.numpy().tobytes(), sender, "recv_object_list")
     object_list[:len(got)] = got
     return sender

@@ -14,10 +14,8 @@ from typing import Any
 
 import torch
 
-from ringlet.c10d import checks
-from ringlet.c10d.collectives import peer_rank
+from ringlet.c10d import _call, checks
 from ringlet.c10d.work import Work, _Completed
-from ringlet.c10d.world import resolve_group
 from ringlet.transport.base import OpContext
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
@@ -29,45 +27,56 @@ def _p2p_ctx(pg: Any, op: str, peer: int, t: torch.Tensor) -> OpContext:
                           numel=t.numel(), root=peer)
 
 
+def _peer(pg: Any, rank: Any, group_rank: Any, op: str, arg: str) -> int:
+    peer = checks.peer(pg, rank, group_rank, op, arg)
+    if peer == pg.rank():
+        raise checks.fail(ValueError, op, arg if group_rank is None else f"group_{arg}",
+                          f"expected a rank other than this rank ({pg.ranks[peer]})")
+    return peer
+
+
 def isend(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
           group_dst: int | None = None) -> Work | None:
-    """Send ``tensor`` to ``dst`` asynchronously; returns a :class:`Work`."""
-    pg = resolve_group(group)
+    """Send ``tensor`` to ``dst`` asynchronously; returns a :class:`Work`.
+
+    Raises:
+        TypeError, ValueError: before anything is sent, for an argument the gate refuses
+            (``checks``: the tensor, ``dst``/``group_dst``, ``tag``).
+    """
+    pg = _call.resolve(group, "isend")
     if pg is None:
         return None
     t = checks.tensor(tensor, "isend", "tensor", pg.transport.devices)
-    peer = peer_rank(pg, dst, group_dst, "send", "dst")
-    if peer == pg.rank():
-        raise ValueError(f"send: dst: expected a rank other than this rank ({pg.ranks[peer]})")
-    data = t.contiguous()
+    peer = _peer(pg, dst, group_dst, "isend", "dst")
+    tg = checks.tag(tag, "isend")
+    data = checks.contiguous_input(t)
     ctx = _p2p_ctx(pg, "send", peer, t)
     tr = pg.transport
-    return pg.run_p2p(lambda work: tr.send(data, peer, tag, ctx), peer, "send", ctx, [t])
+    return _call.launch_p2p(pg, "send", lambda work: tr.send(data, peer, tg, ctx), peer, "send", ctx,
+                            [data])
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
           group_src: int | None = None) -> Work | None:
     """Receive into ``tensor`` from ``src`` (None: any rank) asynchronously; returns a :class:`Work`."""
-    pg = resolve_group(group)
+    pg = _call.resolve(group, "irecv")
     if pg is None:
         return None
-    t = checks.tensor(tensor, "irecv", "tensor", pg.transport.devices)
-    checks.writable(t, "irecv", "tensor")
+    t = checks.tensor(tensor, "irecv", "tensor", pg.transport.devices, out=True)
     peer: int | None = None
     if src is not None or group_src is not None:
-        peer = peer_rank(pg, src, group_src, "recv", "src")
-        if peer == pg.rank():
-            raise ValueError(f"recv: src: expected a rank other than this rank ({pg.ranks[peer]})")
+        peer = _peer(pg, src, group_src, "irecv", "src")
+    tg = checks.tag(tag, "irecv")
     ctx = _p2p_ctx(pg, "recv", -1 if peer is None else peer, t)
     st = checks.Staged(t)
     tr = pg.transport
 
     def fn(work: Work) -> None:
-        got = tr.recv(st.buf, peer, tag, ctx)
+        got = tr.recv(st.buf, peer, tg, ctx)
         st.finish()
         work._src = pg.ranks[got]
     key = -1 if peer is None else peer
-    return pg.run_p2p(fn, key, "recv", ctx, [t])
+    return _call.launch_p2p(pg, "recv", fn, key, "recv", ctx, [t])
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
@@ -109,13 +118,32 @@ class P2POp:
         return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
 
 
+def _check_op(p: P2POp, i: int) -> None:
+    """Everything ``isend``/``irecv`` would refuse, for one entry, without issuing it."""
+    name = "batch_isend_irecv"
+    pg = _call.resolve(p.group, name)
+    if pg is None:
+        return
+    sending = p.op is isend
+    checks.tensor(p.tensor, name, f"p2p_op_list[{i}].tensor", pg.transport.devices, out=not sending)
+    _peer(pg, p.peer, p.group_peer, name, f"p2p_op_list[{i}].peer")
+    checks.tag(p.tag, name)
+
+
 def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
-    """Start every send and receive of the list; returns their Works (in list order)."""
+    """Start every send and receive of the list; returns their Works (in list order).
+
+    Every entry is checked before the first one starts, so a bad entry leaves nothing
+    half-issued that a peer would wait for.
+    """
     if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
-        raise ValueError("batch_isend_irecv: expected a non-empty list of P2POp")
+        raise checks.fail(ValueError, "batch_isend_irecv", "p2p_op_list",
+                          f"expected a non-empty list of P2POp, got {p2p_op_list!r}")
     for i, p in enumerate(p2p_op_list):
         if not isinstance(p, P2POp):
-            raise TypeError(f"batch_isend_irecv: p2p_op_list[{i}]: expected a P2POp, got {type(p).__name__}")
+            raise checks.fail(TypeError, "batch_isend_irecv", f"p2p_op_list[{i}]",
+                              f"expected a P2POp, got {type(p).__name__}")
+        _check_op(p, i)
     works: list[Work] = []
     for p in p2p_op_list:
         if p.op is isend:
@@ -124,3 +152,24 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
             w = irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer)
         works.append(w if w is not None else _Completed(op="p2p (not a member)"))
     return works
+
+
+def send_one(tensor: torch.Tensor, dst: Any, group: Any, group_dst: Any, use_batch: bool) -> None:
+    """``send``, or (``use_batch``) a one-entry ``batch_isend_irecv`` as torch's object p2p does."""
+    if not use_batch:
+        send(tensor, dst, group, group_dst=group_dst)
+        return
+    for work in batch_isend_irecv([P2POp(isend, tensor, dst, group, group_peer=group_dst)]):
+        work.wait()
+
+
+def recv_one(tensor: torch.Tensor, src: Any, group: Any, group_src: Any, use_batch: bool) -> int:
+    """``recv`` (returns the sender's global rank), or a one-entry ``batch_isend_irecv``."""
+    if not use_batch:
+        return recv(tensor, src, group, group_src=group_src)
+    if src is None and group_src is None:
+        raise checks.fail(ValueError, "recv_object_list", "src", "expected a rank with use_batch=True "
+                          "(a batched receive names its peer), got None")
+    (work,) = batch_isend_irecv([P2POp(irecv, tensor, src, group, group_peer=group_src)])
+    work.wait()
+    return work._src

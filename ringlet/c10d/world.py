@@ -388,13 +388,16 @@ def get_default_backend_for_device(device: Any) -> str:
 
 def new_group(ranks: list[int] | None = None, timeout: timedelta | None = None, backend: str | None = None,
               pg_options: Any = None, use_local_synchronization: bool = False,
-              group_desc: str | None = None, device_id: Any = None) -> Any:
+              group_desc: str | None = None, device_id: Any = None, sort_ranks: bool = True) -> Any:
     """Create a group of ``ranks`` (global ranks).  Like torch: every rank of the world calls it
     (members only with ``use_local_synchronization=True``); non-members get
-    ``GroupMember.NON_GROUP_MEMBER``."""
+    ``GroupMember.NON_GROUP_MEMBER``.  ``sort_ranks=False`` keeps the order given: group rank
+    ``i`` is ``ranks[i]`` (every member must pass the same order)."""
     w = current_world()
     assert w is not None
-    members = sorted(range(w.world_size) if ranks is None else ranks)
+    members = list(range(w.world_size) if ranks is None else ranks)
+    if sort_ranks:
+        members.sort()
     if len(set(members)) != len(members):
         raise ValueError(f"new_group: ranks: expected distinct ranks, got {ranks}")
     bad = [r for r in members if not 0 <= r < w.world_size]

@@ -1,0 +1,108 @@
+"""Issuing a validated operation: the ``group=`` argument, profiler labels, the queued re-proof.
+
+Every collective and point-to-point function resolves its group with :func:`resolve`
+and hands its transport call to :func:`launch` (collectives) or :func:`launch_p2p`.
+Both are thin: what they add to :meth:`ProcessGroup.run` is
+
+- a ``torch.profiler`` event per call, named like torch's (``ringlet:all_reduce``;
+  torch's read ``gloo:all_reduce``) and carrying the group, its size, the sequence
+  number, dtype and element count as event arguments (shown with
+  ``record_shapes=True``, as torch's input shapes are).  When no profiler runs the
+  cost is one ``torch.autograd._profiler_enabled()`` call;
+- for an op that will run later on a communication thread, a second proof of its
+  tensors' bounds right before the transport touches them (see [Note: the
+  validation gate] in ``checks``);
+- pending coalesced ops (``_coalescing_manager``) are issued before any other op
+  on their group, so that every rank issues the same sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ringlet.c10d import checks
+from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.work import Work
+from ringlet.c10d.world import resolve_group
+from ringlet.transport.base import OpContext
+
+__all__ = ["flatten_tensors", "launch", "launch_p2p", "resolve"]
+
+# Set by ringlet.c10d.coalescing while a _coalescing_manager block is open: flush(pg) issues
+# the ops it holds for pg.  A list so that the hook costs one truthiness test when unused.
+flush_hooks: list[Callable[[ProcessGroup], None]] = []
+
+
+def resolve(group: Any, op: str, holdable: bool = False) -> ProcessGroup | None:
+    """The group of a call (None: this rank is not a member), with the argument checked.
+
+    ``holdable``: the op may be held by an open coalescing block of its group (which then
+    must not issue what it holds first)."""
+    try:
+        pg = resolve_group(group)
+    except TypeError:
+        raise checks.fail(TypeError, op, "group", "expected a ProcessGroup (from new_group), "
+                          f"group.WORLD or None, got {type(group).__name__}") from None
+    if pg is not None and flush_hooks and not holdable:
+        for hook in flush_hooks:
+            hook(pg)
+    return pg
+
+
+def flatten_tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors of a (nested) list, in order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    out: list[torch.Tensor] = []
+    if isinstance(x, (list, tuple)):
+        for item in x:
+            out += flatten_tensors(item)
+    return out
+
+
+def _later(pg: ProcessGroup, async_op: bool) -> bool:
+    return async_op or pg._executor.pending > 0
+
+
+def launch(pg: ProcessGroup, name: str, fn: Callable[[], None], ctx: OpContext, result: Any,
+           async_op: bool, guard: bool = True) -> Work | None:
+    """:meth:`ProcessGroup.run` with the profiler label and, when queued, the re-proof."""
+    if _later(pg, async_op):
+        fn = _reproving(fn, result, name)
+    if torch.autograd._profiler_enabled():
+        with _event(pg, name, ctx, result, async_op):
+            return pg.run(fn, ctx, result, async_op, guard)
+    return pg.run(fn, ctx, result, async_op, guard)
+
+
+def launch_p2p(pg: ProcessGroup, name: str, fn: Callable[[Work], None], peer: int, direction: str,
+               ctx: OpContext, result: list[torch.Tensor]) -> Work:
+    """:meth:`ProcessGroup.run_p2p` (always queued) with the re-proof and the profiler label."""
+    def proved(work: Work) -> None:
+        checks.reprove(result, name)
+        fn(work)
+    if torch.autograd._profiler_enabled():
+        with _event(pg, name, ctx, result, True):
+            return pg.run_p2p(proved, peer, direction, ctx, result)
+    return pg.run_p2p(proved, peer, direction, ctx, result)
+
+
+def _reproving(fn: Callable[[], None], result: Any, name: str) -> Callable[[], None]:
+    tensors = flatten_tensors(result)
+
+    def proved() -> None:
+        checks.reprove(tensors, name)
+        fn()
+    return proved
+
+
+def _event(pg: ProcessGroup, name: str, ctx: OpContext, result: Any, async_op: bool) -> Any:
+    from torch._C._profiler import _RecordFunctionFast
+
+    meta = {"group": pg.group_desc, "group_size": pg.size(), "seq": ctx.seq,
+            "dtype": str(ctx.dtype).removeprefix("torch.") if ctx.dtype is not None else "",
+            "numel": ctx.numel, "root": ctx.root, "async_op": async_op}
+    return _RecordFunctionFast(f"ringlet:{name}", flatten_tensors(result), meta)
