@@ -18,7 +18,13 @@ from ringlet.checkpoint._geometry import Box
 from ringlet.checkpoint._metadata import Metadata
 from ringlet.checkpoint._planner import plan_reads, plan_save
 from ringlet.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
-from ringlet.distributed.tensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from ringlet.distributed.tensor import (
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    init_device_mesh,
+)
 from ringlet.testing import RankFailure, run_threads
 
 pytestmark = pytest.mark.timeout(60)
