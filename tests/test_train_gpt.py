@@ -1,0 +1,151 @@
+"""examples/train_gpt.py, the README's main job: every strategy trains the same model to the same
+losses, --resume continues exactly, and the run leaves its progress, breakdown and plot behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from ringlet.testing.procs import raise_first, run_world
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO, "examples")
+
+# A model small enough that a step takes milliseconds; n_head 4 splits over tp 2 and 4.
+TINY = {"n_layer": 2, "n_embd": 32, "n_head": 4, "block_size": 16, "batch_size": 8, "steps": 6,
+        "data_bytes": 1 << 16, "eval_every": 3, "eval_batches": 2, "sample_tokens": 8, "log_every": 2,
+        "breakdown_every": 3, "checkpoint_every": 3, "warmup": 2, "lr": 1e-2, "progress": "off",
+        "plot": False}
+STRATEGIES = ("ddp", "fsdp", "hsdp", "tp", "fsdp+tp", "ddp+tp")
+
+
+def _gpt() -> Any:
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    from gpt import trainer
+    return trainer
+
+
+def tp_available() -> bool:
+    try:
+        import ringlet.distributed.tensor.parallel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _train_each(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank body: one training run per entry of ``runs`` (TrainConfig fields), in this world."""
+    import torch
+
+    trainer = _gpt()
+    torch.set_num_threads(1)
+    return [trainer.train(trainer.TrainConfig(**{**TINY, **run})) for run in runs]
+
+
+def _strategies() -> list[str]:
+    return [s for s in STRATEGIES if "tp" not in s or tp_available()]
+
+
+@pytest.mark.timeout(120)
+def test_every_strategy_gives_the_same_losses(tmp_path) -> None:
+    runs = [{"strategy": s, "out": str(tmp_path / s.replace("+", "_")),
+             "grad_accum": 2 if s in ("ddp", "fsdp") else 1} for s in _strategies()]
+    runs.append({"strategy": "fsdp", "bf16": True, "out": str(tmp_path / "bf16")})
+    results = raise_first(run_world(2, _train_each, runs, timeout=100))
+    (reference,) = raise_first(run_world(1, _train_each, [{"strategy": "ddp", "out": str(tmp_path / "one")}],
+                                         timeout=60))[0]
+    want = reference["train_loss"]
+    assert len(want) == TINY["steps"] and want[-1] < want[0] - 0.3, want   # it learns
+    for run, got in zip(runs, results[0], strict=True):
+        assert results[1][runs.index(run)]["train_loss"] == got["train_loss"]   # ranks agree
+        tol = 5e-2 if run.get("bf16") else 1e-4
+        assert got["train_loss"] == pytest.approx(want, rel=tol, abs=tol), run
+        assert [v for _, v in got["val"]] == pytest.approx([v for _, v in reference["val"]], rel=tol, abs=tol)
+
+
+def _resume(rank: int, world: int, base: str, strategy: str) -> tuple[list[float], list[float]]:
+    import torch
+
+    trainer = _gpt()
+    torch.set_num_threads(1)
+    cfg = {**TINY, "strategy": strategy, "steps": 8, "checkpoint_every": 4}
+    full = trainer.train(trainer.TrainConfig(**cfg, out=os.path.join(base, "full")))
+    if rank == 0:     # an interrupted run: only the checkpoint after step 4 survived
+        shutil.copytree(os.path.join(base, "full", "checkpoints", "step_000004"),
+                        os.path.join(base, "cut", "checkpoints", "step_000004"))
+    import ringlet.distributed as dist
+
+    dist.barrier()
+    resumed = trainer.train(trainer.TrainConfig(**cfg, out=os.path.join(base, "cut"), resume=True))
+    return full["train_loss"], resumed["train_loss"]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("strategy", ["fsdp"])
+def test_resume_continues_with_the_same_losses(tmp_path, strategy: str) -> None:
+    for full, resumed in raise_first(run_world(2, _resume, str(tmp_path), strategy, timeout=80)):
+        assert len(full) == len(resumed) == 8
+        assert resumed[:4] == full[:4]                       # the history came back with the checkpoint
+        assert resumed[4:] == pytest.approx(full[4:], rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_command_line_run_shows_progress_breakdown_and_plot(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "run"
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k not in ("progress", "plot")]
+    cmd = [sys.executable, "-m", "ringlet.launcher.run", "--nproc-per-node", "2",
+           os.path.join(EXAMPLES, "train_gpt.py"), *args, "--progress=lines", f"--out={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    for expected in ("[rank0]: train_gpt: ddp (dp=2) on 2 ranks", "[rank0]: step     2/6  loss ",
+                     "tok/s  ETA", "step 0: validation loss", "per-rank time, steps 1-3:",
+                     "  rank   step ms   compute   comm wait    data", "straggler", "== summary: ddp",
+                     "sample (held-out prompt", "checkpoints/step_000006", "plot: "):
+        assert expected in text, f"missing {expected!r} in:\n{text}"
+    assert "[rank1]:" not in text          # only rank 0 talks
+    png = (out / "train_gpt.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["plot_series"] == ["training loss", "validation loss", "compute", "comm wait", "data"]
+    assert len(metrics["history"]["train_loss"]) == 6 and len(metrics["ranks"]) == 2
+    assert all(r["steps"] == 6 and r["step_s"] > 0 for r in metrics["ranks"])
+
+
+def _slow_data(rank: int, world: int, out: str) -> None:
+    import time
+
+    trainer = _gpt()
+    from gpt import data
+
+    if rank == 1:      # rank 1 reads its data slowly: the others wait for it in every all-reduce
+        fast = data.TextData.batch
+
+        def slow(self: Any, *args: Any) -> Any:
+            time.sleep(0.03)
+            return fast(self, *args)
+        data.TextData.batch = slow
+    trainer.train(trainer.TrainConfig(**{**TINY, "out": out, "steps": 8}))
+
+
+@pytest.mark.timeout(60)
+def test_breakdown_names_the_slow_rank(tmp_path) -> None:
+    raise_first(run_world(2, _slow_data, str(tmp_path), timeout=50))
+    _gpt()
+    from gpt.observe import Window, stragglers
+
+    ranks = [Window(**{**r, "late_s": {int(k): v for k, v in r["late_s"].items()}})
+             for r in json.loads((tmp_path / "metrics.json").read_text())["ranks"]]
+    assert ranks[1].data_s > 8 * 0.025 and ranks[0].data_s < 8 * 0.01
+    assert ranks[0].wait_s > 8 * 0.02                  # rank 0 waited in the gradient all-reduce
+    (line,) = stragglers(ranks)
+    assert line.startswith("  straggler: rank 1 "), line
