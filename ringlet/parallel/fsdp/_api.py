@@ -1,7 +1,19 @@
-"""The public surface of fully_shard: ``fully_shard``, ``FSDPModule``, ``UnshardHandle``, forward methods."""
+"""The public surface of fully_shard: ``fully_shard``, ``FSDPModule``, ``UnshardHandle``, forward methods.
+
+[Note: copying a fully_shard module]
+``copy.deepcopy`` of an FSDPModule (torch's FSDP2 refuses it) gives an independent module with
+the same sharded parameters, sharded gradients and controls, on the same mesh (meshes and
+process groups are shared, never copied).  First every fully_shard module under the copied
+one must be idle; its reductions are finished and its groups resharded, so nothing in flight
+and no unsharded storage is copied: the unsharded buffers may be freed (storage of size 0),
+and reading them would touch freed memory.  The copy holds only the sharded state (``_param``,
+``_param_group``), is nobody's root (its first forward makes it one, ``_state``) and starts
+with an empty buffer pool.
+"""
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections.abc import Callable, Iterable
@@ -13,7 +25,7 @@ from torch import nn
 from ringlet.parallel.fsdp._init import build_group, normalize_reshard_after_forward
 from ringlet.parallel.fsdp._mesh_info import resolve_mesh
 from ringlet.parallel.fsdp._param_group import FSDPParamGroup
-from ringlet.parallel.fsdp._state import FSDPState
+from ringlet.parallel.fsdp._state import COPY_SCOPE, FSDPState, TrainingState
 from ringlet.parallel.fsdp._state_dict import apply_to_group, register_state_dict_hooks
 from ringlet.parallel.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
 
@@ -224,6 +236,31 @@ class FSDPModule:
         state.ctx.reset()
 
     # -- nn.Module overrides ------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """An independent copy with the same sharded state ([Note: copying a fully_shard module]).
+
+        Raises:
+            RuntimeError: a fully_shard module under this one is inside forward or backward.
+        """
+        states = [m._get_fsdp_state() for m in self._fsdp_modules(True)]
+        for s in states:
+            if s.training_state is not TrainingState.IDLE:
+                raise RuntimeError(f"deepcopy of a fully_shard module: expected {s.name} to be idle (between "
+                                   f"iterations), got training state {s.training_state.value}; copy it "
+                                   f"before forward or after backward")
+        for s in states:
+            if s.ctx is not None:
+                s.ctx.finish_reductions()
+            if s.group is not None:
+                s.group.finish_reduce()
+                s.group.reshard()
+        memo.setdefault(COPY_SCOPE, set()).update(id(s) for s in states)  # type: ignore[call-overload]
+        cls = type(self)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return new
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         group = self._get_fsdp_state().group
         parent_apply = functools.partial(super()._apply, fn, recurse)  # type: ignore[misc]

@@ -75,6 +75,9 @@ class BufferPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> BufferPool:
+        return BufferPool(self.max_free)     # scratch space: a copied model starts with its own
+
 
 @dataclasses.dataclass
 class AllGather:

@@ -15,6 +15,7 @@ see valid data again in backward and their version checks still pass.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, cast
 
 import torch
@@ -46,6 +47,28 @@ class FSDPParam:
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqns[0]}, {list(self.spec.shape)} S({self.spec.dim}))"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FSDPParam:
+        """The sharded side only ([Note: copying a fully_shard module] in ``_api.py``).
+
+        The unsharded parameter is a view of storage that may be freed (size 0): copying it
+        would read freed memory, so the copy rebinds a fresh one at its first unshard.  A
+        gradient that autograd accumulates on it while gradient sync is off moves to
+        ``accumulated_grad`` in the copy; the sharded ``.grad`` is copied with the parameter.
+        """
+        new = FSDPParam.__new__(FSDPParam)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k != "unsharded_param":
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        new.unsharded_param = None
+        up = self.unsharded_param
+        if new.accumulated_grad is None and up is not None and up.grad is not None:
+            new.accumulated_grad = copy.deepcopy(up.grad, memo)
+        grad = self.sharded_param.grad
+        if grad is not None and new.sharded_param.grad is None:
+            new.sharded_param.grad = copy.deepcopy(grad, memo)
+        return new
 
     # -- building the tensors ----------------------------------------------------------
     def local_view(self, shard_buffer: torch.Tensor) -> torch.Tensor:

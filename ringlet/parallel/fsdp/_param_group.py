@@ -11,9 +11,10 @@ HSDP, one ``all_reduce``) and adds the result into the sharded ``.grad`` DTensor
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -65,6 +66,19 @@ class FSDPParamGroup:
     def __repr__(self) -> str:
         return (f"FSDPParamGroup({type(self.module).__name__}, {len(self.params)} params, "
                 f"{self.sharded_state.value}, {self.mesh_info!r})")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FSDPParamGroup:
+        """Copy the sharded state; see [Note: copying a fully_shard module] in ``_api.py``."""
+        if self._pending_unshard is not None or self._pending_reduce is not None or \
+                self.sharded_state is not ShardedState.SHARDED:
+            raise AssertionError(f"deepcopy of {self!r}: expected a resharded group with no collective "
+                                 f"in flight (FSDPModule.__deepcopy__ prepares it)")
+        new = FSDPParamGroup.__new__(FSDPParamGroup)
+        memo[id(self)] = new
+        fresh = {"_unsharded": None, "_unsharded_alias": None}   # freed storage: never copied
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = fresh[k] if k in fresh else copy.deepcopy(v, memo)
+        return new
 
     # -- dtypes ----------------------------------------------------------------------------
     @property

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,10 @@ from ringlet.parallel.fsdp.policies import MixedPrecisionPolicy
 if TYPE_CHECKING:
     from ringlet.parallel.fsdp._context import IterationContext
 
-__all__ = ["FSDPState", "TrainingState"]
+__all__ = ["COPY_SCOPE", "FSDPState", "TrainingState"]
+
+# A key in deepcopy's memo: ids of the FSDPStates being copied ([Note: copying a fully_shard module]).
+COPY_SCOPE = "ringlet.fsdp.copy_scope"
 
 
 class TrainingState(enum.Enum):
@@ -94,6 +98,25 @@ class FSDPState:
     @property
     def name(self) -> str:
         return type(self.module).__name__
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FSDPState:
+        """A copy that is not initialised as anyone's root ([Note: copying a fully_shard module]).
+
+        Prefetch targets outside the copied modules are dropped: the copy must not drag in
+        (or reach back into) modules that were not copied.
+        """
+        new = FSDPState.__new__(FSDPState)
+        memo[id(self)] = new
+        inside = memo.get(COPY_SCOPE, set())    # type: ignore[call-overload]
+        for k, v in self.__dict__.items():
+            if k == "ctx":
+                new.ctx = None
+            elif k in ("forward_prefetch", "backward_prefetch") and v is not None:
+                new.__dict__[k] = [copy.deepcopy(s, memo) for s in v if id(s) in inside]
+            else:
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        new.is_root = False
+        return new
 
     def context(self) -> IterationContext:
         if self.ctx is None:
