@@ -205,8 +205,8 @@ def test_full_disk_fails_cleanly_and_keeps_the_previous_checkpoint(tmp_path) -> 
                            capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
         pytest.skip(f"private mounts are not permitted here: {probe.stderr.strip()}")
-    out = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {disk} && "
-                          f"exec {sys.executable} {script}"], capture_output=True, text=True, timeout=60)
+    cmd = f"mount -t tmpfs -o size=1m tmpfs {disk} && exec {sys.executable} {script}"
+    out = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     failed = next(line for line in out.stdout.splitlines() if line.startswith("FAILED"))
     assert "CheckpointException" in failed and "errno 28" in failed and "No space left" in failed, failed
