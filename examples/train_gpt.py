@@ -26,7 +26,9 @@ See docs/getting_started.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 
 import torch
 from gpt.strategies import STRATEGIES
@@ -72,11 +74,17 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 def main() -> int:
     cfg = parse_args()
     torch.set_num_threads(1)           # one core per rank: ranks share this machine's cores
-    dist.init_process_group()          # env:// from ringlet-run; shared memory between local ranks
-    try:
-        train(cfg)
-    finally:
-        dist.destroy_process_group()
+    with tempfile.TemporaryDirectory() as tmp:
+        if "RANK" in os.environ:
+            dist.init_process_group()  # env:// from ringlet-run (or torchrun); shm between local ranks
+        else:                          # plain `python train_gpt.py`: a world of one process
+            print("train_gpt: not started by ringlet-run: training on 1 process "
+                  "(ringlet-run --nproc-per-node 2 examples/train_gpt.py for 2)", flush=True)
+            dist.init_process_group(init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        try:
+            train(cfg)
+        finally:
+            dist.destroy_process_group()
     return 0
 
 

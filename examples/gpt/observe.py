@@ -29,16 +29,29 @@ except ImportError:      # the `examples` extra is not installed: plain lines in
     tqdm = None
 
 
-def comm_counters() -> tuple[float, dict[int, float], int, int]:
-    """(seconds waited, {rank: seconds it was awaited}, collectives, elements) over all groups."""
-    wait, late, count, elements = 0.0, {}, 0, 0
-    for s in dist.stats():
-        wait += s["wait_s"]
-        for r, sec in s["late_s"].items():
-            late[int(r)] = late.get(int(r), 0.0) + sec
-        count += s["collectives"]
-        elements += sum(s["elements"].values())
-    return wait, late, count, elements
+@dataclass
+class Counters:
+    """ringlet's communication counters of this rank, summed over its process groups."""
+
+    wait_s: float = 0.0                                       # blocked, waiting for a peer
+    late_s: dict[int, float] = field(default_factory=dict)    # rank -> seconds it was awaited
+    by_op: dict[str, int] = field(default_factory=dict)      # collectives issued, per op
+    elements: int = 0                                         # elements handed to them
+
+    @classmethod
+    def read(cls) -> Counters:
+        c = cls()
+        for s in dist.stats():                     # one dict per process group; local, no messages
+            c.wait_s += s["wait_s"]
+            _add(c.late_s, {int(r): sec for r, sec in s["late_s"].items()})
+            _add(c.by_op, s["by_op"])
+            c.elements += sum(s["elements"].values())
+        return c
+
+
+def _add(into: dict[Any, Any], other: dict[Any, Any], sign: int = 1) -> None:
+    for k, v in other.items():
+        into[k] = into.get(k, 0) + sign * v
 
 
 @dataclass
@@ -49,9 +62,9 @@ class Window:
     step_s: float = 0.0
     data_s: float = 0.0
     wait_s: float = 0.0
-    collectives: int = 0
     elements: int = 0
     late_s: dict[int, float] = field(default_factory=dict)   # rank -> seconds I waited for it
+    by_op: dict[str, int] = field(default_factory=dict)      # collectives per op name
     rss_mib: float = 0.0       # peak resident memory (set at the end)
     state_mib: float = 0.0     # parameters + gradients + optimizer state held by this rank
 
@@ -60,10 +73,13 @@ class Window:
         self.step_s += other.step_s
         self.data_s += other.data_s
         self.wait_s += other.wait_s
-        self.collectives += other.collectives
         self.elements += other.elements
-        for r, s in other.late_s.items():
-            self.late_s[r] = self.late_s.get(r, 0.0) + s
+        _add(self.late_s, other.late_s)
+        _add(self.by_op, other.by_op)
+
+    @property
+    def collectives(self) -> int:
+        return sum(self.by_op.values())
 
     def fractions(self) -> tuple[float, float, float]:
         """(compute, comm wait, data) as fractions of the step time."""
@@ -79,10 +95,10 @@ class StepMeter:
         self.window = Window()     # since the last breakdown
         self.total = Window()      # the whole run (this process)
         self._t0 = 0.0
-        self._c0: tuple[float, dict[int, float], int, int] = (0.0, {}, 0, 0)
+        self._c0 = Counters()
 
     def start(self) -> None:
-        self._c0 = comm_counters()
+        self._c0 = Counters.read()
         self._t0 = time.perf_counter()
 
     def data(self, seconds: float) -> None:
@@ -90,17 +106,17 @@ class StepMeter:
 
     def stop(self) -> None:
         step_s = time.perf_counter() - self._t0
-        wait, late, count, elements = comm_counters()
-        w0, late0, count0, elements0 = self._c0
-        self.window.steps += 1
-        self.window.step_s += step_s
-        self.window.wait_s += wait - w0
-        self.window.collectives += count - count0
-        self.window.elements += elements - elements0
-        for r, s in late.items():
-            d = s - late0.get(r, 0.0)
-            if d > 0:
-                self.window.late_s[r] = self.window.late_s.get(r, 0.0) + d
+        now, w = Counters.read(), self.window
+        w.steps += 1
+        w.step_s += step_s
+        w.wait_s += now.wait_s - self._c0.wait_s
+        w.elements += now.elements - self._c0.elements
+        _add(w.late_s, now.late_s)
+        _add(w.late_s, self._c0.late_s, -1)
+        _add(w.by_op, now.by_op)
+        _add(w.by_op, self._c0.by_op, -1)
+        w.late_s = {r: v for r, v in w.late_s.items() if v > 0}
+        w.by_op = {op: n for op, n in w.by_op.items() if n}
 
     def take_window(self) -> Window:
         """The current window (added to the run's total) and a fresh one to fill."""

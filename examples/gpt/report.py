@@ -69,6 +69,9 @@ def summary_lines(cfg: Any, par: Any, history: dict[str, Any], totals: list[Wind
     if val:
         lines.append("validation loss " + ", ".join(f"{v:.3f} (step {s})" for s, v in val))
     lines += breakdown_table(totals, "per-rank time over the run:")
+    n0 = max(1, totals[0].steps)
+    lines.append("collectives per step on rank 0: " + ", ".join(
+        f"{op} {n / n0:.1f}" for op, n in sorted(totals[0].by_op.items())))
     lines.append("  rank   comm elements/step   peak RSS MiB   params+grads+Adam MiB")
     for r, w in enumerate(totals):
         lines.append(f"  {r:>4}   {w.elements / max(1, w.steps) / 1e6:14.2f}M   {w.rss_mib:12.0f}   "
@@ -97,11 +100,11 @@ def plot(path: str, cfg: Any, par: Any, history: dict[str, Any], totals: list[Wi
     left = [0.0] * len(totals)
     for i, name in enumerate(("compute", "comm wait", "data")):
         ms = [w.fractions()[i] * w.step_s / max(1, w.steps) * 1e3 for w in totals]
-        ax_time.barh(ranks, ms, left=left, label=name)
+        ax_time.barh(ranks, ms, left=left, height=0.6, label=name)
         left = [a + b for a, b in zip(left, ms, strict=True)]
     ax_time.set(xlabel="ms per step", ylabel="rank", yticks=ranks, title="where each rank's time went")
     ax_time.invert_yaxis()
-    ax_time.legend(loc="lower right")
+    ax_time.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     names = [t.get_text() for ax in (ax_loss, ax_time) for t in ax.get_legend().get_texts()]

@@ -176,7 +176,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         meter.stop()
         done = step + 1
         reduced = None
-        if done % cfg.log_every == 0 or done % cfg.checkpoint_every == 0 or done == cfg.steps:
+        if (done % 10 == 0 or done % cfg.log_every == 0 or done % cfg.checkpoint_every == 0
+                or done == cfg.steps):
             history["train_loss"] += _world_mean(pending)    # one all-reduce per log interval
             pending, reduced = [], history["train_loss"][-1]
         progress.update(step, reduced)
