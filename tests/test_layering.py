@@ -10,6 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "ringlet"
 # Lower number = lower layer; a module may import only its own layer or lower ones.
 LAYERS = {
     "ringlet.errors": 0, "ringlet._env": 0, "ringlet._version": 0,
+    "ringlet._segments": 0,         # shm segment names and their sweep (transport and launcher)
     "ringlet.store": 1,
     "ringlet.transport": 2,
     "ringlet.c10d": 3,

@@ -337,3 +337,223 @@ def test_tcp_setup_refuses_injection_and_survives_a_flood(monkeypatch: pytest.Mo
                 p.kill()
             p.communicate(timeout=10)
         server.close()
+
+
+# -- 4. nothing left behind -------------------------------------------------------------------------
+_EMFILE_SERVER = """
+import os, resource, sys, time
+from ringlet.store import TCPStore
+s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, token=b't')
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 6, hard))
+print(s.port, flush=True)
+time.sleep(60)
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(60)
+def test_store_server_backs_off_when_out_of_file_descriptors() -> None:
+    """A server that cannot accept (EMFILE) must not spin on its readable listener; once
+    descriptors are free again it serves new clients."""
+    proc = subprocess.Popen([sys.executable, "-c", _EMFILE_SERVER], env=_child_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    socks: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        for _ in range(30):     # more than the server may accept: the rest wait in its backlog
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(0.3)
+        before = _cpu_seconds(proc.pid)
+        time.sleep(1.0)
+        used = _cpu_seconds(proc.pid) - before
+        assert used < 0.3, f"the store server used {used:.2f} s of CPU in 1 s while out of descriptors"
+        for s in socks:
+            s.close()
+        socks.clear()
+        client = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=10), token=b"t")
+        client.set("after", b"1")
+        assert client.get("after") == b"1"
+        client.close()
+    finally:
+        for s in socks:
+            s.close()
+        proc.kill()
+        proc.communicate(timeout=10)
+
+
+def _fake_segment(name: str, uid: int | None = None) -> Path:
+    path = Path("/dev/shm") / name
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    os.close(fd)
+    if uid is not None:
+        os.chown(path, uid, uid)
+    return path
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_segments_of_dead_creators_are_swept_and_nothing_else() -> None:
+    from ringlet import _segments
+
+    ns = _segments._pid_namespace()
+    dead = _dead_pid()
+    stale = _fake_segment(f"ringlet-{ns}-{dead}-{'a' * 16}")
+    live = _fake_segment(f"ringlet-{ns}-{os.getpid()}-{'b' * 16}")
+    other_ns = _fake_segment(f"ringlet-{ns + 1}-{dead}-{'c' * 16}")
+    foreign = _fake_segment(f"ringlet-{ns}-{dead}-{'d' * 16}", uid=65534) if os.geteuid() == 0 else None
+    try:
+        removed = _segments.sweep_stale()
+        assert stale.name in removed and not stale.exists()
+        assert live.exists() and other_ns.exists()
+        assert foreign is None or foreign.exists()
+    finally:
+        for p in (stale, live, other_ns, foreign):
+            if p is not None and p.exists():
+                p.unlink()
+
+
+def test_a_new_shm_group_removes_a_segment_left_by_a_killed_creator() -> None:
+    from ringlet import _segments
+
+    stale = _fake_segment(f"ringlet-{_segments._pid_namespace()}-{_dead_pid()}-{'e' * 16}")
+    try:
+        raise_first(run_world(2, W.plain_data_round, backend="shm", timeout=60))
+        assert not stale.exists()
+    finally:
+        if stale.exists():
+            stale.unlink()
+
+
+_DIE_DURING_SETUP = """
+import os, signal, sys
+from pathlib import Path
+import ringlet.distributed as dist
+from ringlet.transport import shm
+out = Path(sys.argv[1])
+create = shm._create_segment
+def reveal(layout, group):
+    mm, path = create(layout, group)
+    (out / "segment").write_text(path)
+    return mm, path
+def die(*args):
+    os.kill(os.getpid(), signal.SIGKILL)     # killed after rank 0 created the arena, before attaching
+shm._create_segment = reveal
+shm._attach_segment = die
+dist.init_process_group("shm")
+"""
+
+
+@pytest.mark.timeout(90)
+def test_rank_killed_during_setup_leaves_no_segment(tmp_path: Path) -> None:
+    """Rank 1 is killed after rank 0 created the group's arena and before attaching to it; the
+    launcher then kills rank 0 too.  The arena's name must not survive the launcher."""
+    script = tmp_path / "job.py"
+    script.write_text(_DIE_DURING_SETUP)
+    proc = subprocess.run([sys.executable, "-m", "ringlet.launcher.run", "--nproc-per-node", "2",
+                           "--grace-period", "0.5", str(script), str(tmp_path)],
+                          env=_child_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "signal SIGKILL" in proc.stderr
+    segment = Path((tmp_path / "segment").read_text())
+    assert segment.name.startswith("ringlet-") and not segment.exists()
+
+
+def test_launcher_refuses_more_workers_than_the_machine_allows(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ringlet.launcher.run", "--nproc-per-node", "100000",
+                           str(script)], env=_child_env(), capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    assert "expected --nproc-per-node <= " in proc.stderr and "got 100000" in proc.stderr
+    assert "Traceback" not in proc.stderr and time.monotonic() - started < 10
+
+
+_FORK_FAILS = """
+import errno, subprocess, sys
+real = subprocess.Popen
+count = [0]
+class Refusing(real):
+    def __init__(self, *args, **kwargs):
+        count[0] += 1
+        if count[0] == 2:
+            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+        super().__init__(*args, **kwargs)
+subprocess.Popen = Refusing
+from ringlet.launcher.run import main
+main(sys.argv[1:])
+"""
+
+
+def test_failed_fork_is_a_clear_error_and_stops_the_started_workers(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("import os, time\nopen(f'{os.environ[\"RANK\"]}.pid', 'w').write(str(os.getpid()))\n"
+                      "time.sleep(60)\n")
+    proc = subprocess.run([sys.executable, "-c", _FORK_FAILS, "--nproc-per-node", "3", str(script)],
+                          env=_child_env(), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "could not start the worker of rank 1 (local rank 1; 1 of 3 started)" in proc.stderr
+    assert "Resource temporarily unavailable" in proc.stderr and "Traceback" not in proc.stderr
+    for pidfile in tmp_path.glob("*.pid"):
+        assert not _running(int(pidfile.read_text()))
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+_DETACHED_CHILDREN = """
+import os, subprocess, sys, time
+out = sys.argv[1]
+rank = os.environ["RANK"]
+sleeper = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
+# a child in its own session: the worker's process group never reaches it
+subprocess.Popen([sys.executable, "-c", "import os; os.setsid(); " + sleeper, f"{out}/setsid{rank}"])
+# a double-forked daemon: its parent exits at once, so it is orphaned while the worker still runs
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sys.executable, [sys.executable, "-c", sleeper, f"{out}/daemon{rank}"])
+    os._exit(0)
+os.wait()
+deadline = time.time() + 20
+while not all(os.path.exists(f"{out}/{k}{rank}") for k in ("setsid", "daemon")) and time.time() < deadline:
+    time.sleep(0.01)
+sys.exit(int(sys.argv[2]) if rank == "1" else 0)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_launcher_ends_every_descendant_of_its_workers(tmp_path: Path, exit_code: int) -> None:
+    """Workers start a setsid() child and a double-forked daemon; whether the job succeeds or
+    fails, none of them outlives the launcher."""
+    script = tmp_path / "job.py"
+    script.write_text(_DETACHED_CHILDREN)
+    proc = subprocess.run([sys.executable, "-m", "ringlet.launcher.run", "--nproc-per-node", "2",
+                           "--grace-period", "1", str(script), str(tmp_path), str(exit_code)],
+                          env=_child_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == (1 if exit_code else 0), proc.stderr
+    pids = [int(p.read_text()) for k in ("setsid", "daemon") for p in tmp_path.glob(f"{k}*")]
+    assert len(pids) == 4, proc.stderr
+    deadline = time.monotonic() + 3
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survivors = [p for p in pids if _running(p)]
+    for p in survivors:
+        os.kill(p, 9)
+    assert not survivors, f"descendants outlived the launcher: {survivors}"

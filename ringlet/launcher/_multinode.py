@@ -133,6 +133,10 @@ def _generation(run: Any, nodes: NodeRendezvous, gen: int) -> tuple[GenerationRe
         return nodes.remote_failure(gen) is not None
 
     result = run_generation(run, gen, elsewhere)
+    if result.state == "start_failed":
+        say(f"error: {result.message}")
+        won = nodes.report_failure(gen, {"reason": result.message, "interrupted": True})
+        return result, Outcome("interrupted", won)
     if result.state == "succeeded":
         return result, nodes.wait_outcome(gen)
     if result.state == "interrupted" and result.signum is not None:

@@ -6,6 +6,10 @@ then join the output threads with a deadline. Each worker leads its own process 
 the signals also reach the processes it started (``multiprocessing`` children, data loader
 workers) and a Ctrl-C in the terminal reaches only the launcher, which decides.
 
+Processes that left their worker's group (``setsid``) or were orphaned are found and ended too
+(``_reaper``), and shared-memory segments whose creator was killed before it could unlink them are
+removed ([Note: segment lifecycle] in ``ringlet._segments``): a stopped generation leaves nothing.
+
 Workers are spawned from the launcher's main thread: ``PR_SET_PDEATHSIG`` (set by
 ``_worker``) fires when the *thread* that forked the child exits, so a short-lived
 spawning thread would kill its workers.
@@ -23,7 +27,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO, Literal
 
-__all__ = ["Generation", "GenerationResult", "Worker", "WorkerFailure", "describe_exit"]
+from ringlet._segments import sweep_stale
+from ringlet.launcher._reaper import Reaper
+
+__all__ = ["Generation", "GenerationResult", "Worker", "WorkerFailure", "WorkerStartError", "describe_exit"]
 
 _OUTPUT_LOCK = threading.Lock()  # one writer at a time, so prefixed lines never interleave
 _READER_JOIN_S = 2.0  # pipes held open by a worker's stray children must not block exit
@@ -37,6 +44,10 @@ def describe_exit(returncode: int) -> str:
         except ValueError:
             return f"signal {-returncode}"
     return f"exit code {returncode}"
+
+
+class WorkerStartError(RuntimeError):
+    """The operating system refused to start a worker (fork or exec failed)."""
 
 
 @dataclass
@@ -72,9 +83,11 @@ class WorkerFailure:
 
 @dataclass(frozen=True)
 class GenerationResult:
-    state: Literal["succeeded", "failed", "interrupted", "stopped"]  # stopped: failed on another node
+    # stopped: failed on another node; start_failed: the machine refused to start a worker
+    state: Literal["succeeded", "failed", "interrupted", "stopped", "start_failed"]
     failures: tuple[WorkerFailure, ...] = ()  # earliest first
     signum: int | None = None  # the signal that interrupted the launcher
+    message: str = ""  # for start_failed: which worker and why
 
 
 def _forward(stream: BinaryIO, sink: BinaryIO, prefix: bytes) -> None:
@@ -139,17 +152,32 @@ class Generation:
         self._error_files = list(error_files)
         self._stdout, self._stderr = stdout, stderr
         self.workers: list[Worker] = []
+        self._reaper: Reaper | None = None
 
     def start(self) -> None:
+        """Start every worker.
+
+        Raises:
+            WorkerStartError: a worker could not be started (fork/exec failed: process or memory
+                limits); the caller stops the ones already started.
+        """
+        self._reaper = Reaper()
         for local_rank, (env, rank) in enumerate(zip(self._envs, self._ranks, strict=True)):
-            popen = subprocess.Popen(
-                self._command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                process_group=0,
-            )
+            try:
+                popen = subprocess.Popen(
+                    self._command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    process_group=0,
+                )
+            except OSError as e:
+                raise WorkerStartError(
+                    f"could not start the worker of rank {rank} (local rank {local_rank}; "
+                    f"{len(self.workers)} of {len(self._envs)} started): {e.strerror or e} -- the "
+                    "machine refused a new process (process, memory or file limits: see ulimit -a); "
+                    "try a smaller --nproc-per-node") from None
             worker = Worker(rank, local_rank, popen, self._error_files[local_rank])
             self.workers.append(worker)
             prefix = f"[rank{rank}]: ".encode()
@@ -206,9 +234,14 @@ class Generation:
                 pass  # the group is already gone
 
     def stop(self, grace_period: float) -> None:
-        """SIGTERM, wait up to ``grace_period`` s, SIGKILL, reap; every step is bounded."""
+        """SIGTERM, wait up to ``grace_period`` s, SIGKILL, reap; every step is bounded.  Then end
+        the workers' detached descendants and remove the segments their killing left behind."""
+        pids = [w.pid for w in self.workers]
+        reaper = self._reaper or Reaper()
+        reaper.record(pids)
         if any(w.popen.poll() is None for w in self.workers):
             self._signal_all(signal.SIGTERM)
+            reaper.signal(signal.SIGTERM, pids)
             deadline = time.monotonic() + grace_period
             while time.monotonic() < deadline:
                 if all(w.popen.poll() is not None for w in self.workers):
@@ -222,6 +255,8 @@ class Generation:
             except subprocess.TimeoutExpired:
                 # SIGKILL was sent; only an uninterruptible (D-state) process gets here.
                 pass
+        reaper.finish(pids)
+        sweep_stale()
         deadline = time.monotonic() + _READER_JOIN_S
         for w in self.workers:
             for t in w.readers:

@@ -57,6 +57,7 @@ from datetime import datetime
 
 from ringlet import _env
 from ringlet.errors import DistError
+from ringlet.launcher._capacity import max_workers, read_limits
 from ringlet.launcher._plan import (
     PROG,
     LaunchConfig,
@@ -66,8 +67,14 @@ from ringlet.launcher._plan import (
     worker_command,
     worker_env,
 )
+from ringlet.launcher._reaper import become_subreaper
 from ringlet.launcher._runtime import Signals, run_dir, say
-from ringlet.launcher._supervisor import Generation, GenerationResult, WorkerFailure
+from ringlet.launcher._supervisor import (
+    Generation,
+    GenerationResult,
+    WorkerFailure,
+    WorkerStartError,
+)
 from ringlet.store import TCPStore
 
 __all__ = ["main", "run"]
@@ -126,6 +133,8 @@ def run_generation(run: Run, restart: int,
     try:
         generation.start()
         return generation.watch(config.monitor_interval, lambda: run.signals.received, elsewhere)
+    except WorkerStartError as err:
+        return GenerationResult("start_failed", message=str(err))
     finally:
         generation.stop(config.grace_period)
 
@@ -139,6 +148,9 @@ def _supervise(run: Run) -> int:
             return 128 + signals.received
         if result.state == "succeeded":
             return 0
+        if result.state == "start_failed":
+            say(f"error: {result.message}")
+            return 1
         first, *others = result.failures
         if restart < config.max_restarts:
             say(f"rank {first.rank} (pid {first.pid}) failed with {first.reason}; "
@@ -149,8 +161,22 @@ def _supervise(run: Run) -> int:
     return 1
 
 
+def check_capacity(config: LaunchConfig) -> str | None:
+    """Why this machine cannot start ``config.nproc_per_node`` workers, or None when it can."""
+    limit, why = max_workers(read_limits())
+    if config.nproc_per_node <= limit:
+        return None
+    return f"expected --nproc-per-node <= {limit} on this machine ({why}), got {config.nproc_per_node}"
+
+
 def run(config: LaunchConfig) -> int:
     """Launch ``config`` on this node and supervise it; returns the launcher's exit code."""
+    refused = check_capacity(config)
+    if refused is not None:
+        say(f"error: {refused}")
+        return 2
+    # Orphaned descendants of workers come back to us, so that teardown can end them (_reaper).
+    become_subreaper()
     if config.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         say("setting OMP_NUM_THREADS=1 for each worker to avoid overloading the CPUs; "
             "set it yourself to tune")

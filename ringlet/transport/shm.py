@@ -6,7 +6,9 @@ unlinks segments that an attaching process does not own).  Group rank 0
 creates it exclusively (``O_EXCL``, mode 0600) under an unpredictable name,
 ``posix_fallocate``s it so that a full /dev/shm is an error now rather than a
 SIGBUS later, and unlinks it as soon as every rank has attached: a crash
-leaves nothing behind.  Each rank watches its peers through pidfds, so a dead
+leaves nothing behind.  A creator killed before that moment leaves a name that
+the launcher and the next creator remove ([Note: segment lifecycle] in
+``ringlet._segments``).  Each rank watches its peers through pidfds, so a dead
 peer becomes an error in every survivor within ``LIVENESS_PERIOD``.
 """
 
@@ -14,20 +16,18 @@ from __future__ import annotations
 
 import mmap
 import os
-import secrets
 import select
 import socket
 from datetime import timedelta
 
 from ringlet import _env
+from ringlet._segments import SHM_DIR, SHM_PREFIX, new_segment_name, sweep_stale
 from ringlet.errors import DistBackendError, DistStoreError
 from ringlet.transport.arena import C_PID, Arena, ArenaLayout, default_p2p_bytes
 from ringlet.transport.arena_algos import ArenaTransport
 
 __all__ = ["SHM_DIR", "SHM_PREFIX", "ShmTransport"]
 
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "ringlet-"
 
 
 def _no_room(path: str, nbytes: int, group: str, err: OSError) -> DistBackendError:
@@ -139,7 +139,8 @@ class ShmTransport(ArenaTransport):
 
 
 def _create_segment(layout: ArenaLayout, group: str) -> tuple[mmap.mmap, str]:
-    path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+    sweep_stale(SHM_DIR)   # segments of creators killed before they could unlink ([Note: segment lifecycle])
+    path = os.path.join(SHM_DIR, new_segment_name())
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(path, flags, 0o600)
     try:
