@@ -18,7 +18,8 @@ from torch import nn
 
 from ringlet.c10d import ReduceOp, all_reduce
 from ringlet.c10d.world import resolve_group
-from ringlet.parallel.ddp import _checks
+from ringlet.dtensor import DTensor
+from ringlet.parallel.ddp import _checks, _tp
 from ringlet.parallel.ddp._buckets import cap_bytes_from_mb
 from ringlet.parallel.ddp._join import DDPJoinHook, Join, Joinable
 from ringlet.parallel.ddp._reducer import Phase, Reducer, traced
@@ -46,7 +47,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             several reentrant checkpoints.
         delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision: not supported
             (``NotImplementedError`` when given).
-        device_mesh: a 1-d mesh whose group to use (instead of ``process_group``).
+        device_mesh: a 1-d mesh whose group to use (instead of ``process_group``), typically
+            ``mesh["dp"]`` of a 2-d mesh whose other axis holds tensor-parallel DTensor
+            parameters: those are handed to DDP as local tensors (``_tp.py``).
         skip_all_reduce_unused_params: with ``find_unused_parameters``, skip buckets whose
             parameters are all unused (they must then be unused on every rank).
 
@@ -81,9 +84,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.module = module
         self.process_group = _pick_group(process_group, device_mesh)
         self.device_mesh = device_mesh
+        if _tp.has_dtensor_params(module):      # tensor parallel inside: DDP sees local tensors
+            _tp.check_dp_orthogonal(module, self.process_group)
+            _tp._pre_dp_module_transform(module)
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         named_params = [(n, p) for n, p in module.named_parameters() if n not in ignore]
         named_buffers = [(n, b) for n, b in module.named_buffers() if n not in ignore]
+        _refuse_dtensor_buffers(named_buffers)
         _check_devices(named_params, device_ids, output_device)
         trained = [(n, p) for n, p in named_params if p.requires_grad]
         if not trained:
@@ -295,6 +302,14 @@ def _refuse_unsupported(delay: Any, param_to_hook: Any, mixed_precision: Any) ->
     if delay is not None or param_to_hook is not None:
         raise NotImplementedError("DistributedDataParallel: delay_all_reduce_named_params and "
                                   "param_to_hook_all_reduce are not supported by ringlet")
+
+
+def _refuse_dtensor_buffers(named_buffers: Sequence[tuple[str, torch.Tensor]]) -> None:
+    bad = [n for n, b in named_buffers if isinstance(b, DTensor)]
+    if bad:
+        raise ValueError(f"DistributedDataParallel: expected plain tensors as buffers, got DTensor buffers "
+                         f"{bad}; register them as plain tensors, or list them in "
+                         f"_ddp_params_and_buffers_to_ignore")
 
 
 def _pick_group(process_group: Any, device_mesh: Any) -> Any:

@@ -1,0 +1,225 @@
+"""DDP over a model whose parameters are DTensors: tensor parallelism inside, data parallelism across.
+
+On a 2-d mesh ``(dp, tp)`` a tensor-parallel model holds DTensor parameters sharded or
+replicated along ``tp``; DDP along ``dp`` must average each rank's *piece* with the ranks that
+hold the same piece.  :func:`_pre_dp_module_transform` makes that work without DDP knowing
+about DTensors:
+
+- every DTensor parameter is replaced, on every module that registers it, by an
+  ``nn.Parameter`` of its local tensor (same storage) that remembers the DTensor's layout in
+  ``_st_info``: DDP sees (verifies, broadcasts, buckets, all-reduces) plain local tensors;
+- a forward pre-hook registers, in their place, DTensors rebuilt around those local
+  parameters (:func:`~ringlet.parallel._data_parallel_utils._unflatten_tensor`), so the model
+  computes with DTensors and their gradients land in the local parameters' ``.grad``;
+- a forward hook registers the local parameters again, so ``parameters()``, optimizers and
+  ``state_dict()`` outside forward see the same objects as DDP;
+- ``state_dict()`` returns those entries as DTensors (sharing the local storage), and
+  ``load_state_dict`` takes DTensors or full tensors for them, so checkpoints hold the 2-d
+  layout.
+
+:class:`DistributedDataParallel` applies the transform by itself when the module has DTensor
+parameters (torch does it when ``device_mesh`` is a slice of a larger mesh), after checking
+that every rank of its group holds the same piece of each (:func:`check_dp_orthogonal`).
+
+The function names are torch's private ones (``torch.distributed.tensor.parallel.ddp``),
+mirrored at ``ringlet.distributed.tensor.parallel.ddp``.
+
+Example::
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], plan)                   # DTensor parameters on "tp"
+    ddp = DistributedDataParallel(model, device_mesh=mesh["dp"])  # averages over "dp"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringlet.dtensor import DTensor, Replicate
+from ringlet.dtensor._api import make_dtensor
+from ringlet.parallel._data_parallel_utils import _flatten_tensor, _unflatten_tensor
+
+__all__ = [
+    "_get_submodule_n_params",
+    "_localize_dtensor",
+    "_pre_dp_module_transform",
+    "_reconstruct_dtensor",
+    "_update_module_param",
+    "check_dp_orthogonal",
+    "has_dtensor_params",
+]
+
+_MARK = "_ringlet_dp_transformed"       # set on a module once _pre_dp_module_transform ran
+
+
+def _get_submodule_n_params(module: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """``(owning submodule, attribute name)`` of the parameter at dotted ``path``."""
+    parent, _, name = path.rpartition(".")
+    return (module.get_submodule(parent) if parent else module), name
+
+
+def _update_module_param(param_list: Iterable[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    """Register each ``(module, name, tensor)`` as that module's parameter ``name``.
+
+    Any tensor may stand there (a rebuilt DTensor during forward), like fully_shard's swaps.
+
+    Raises:
+        AttributeError: ``module`` has no parameter ``name``.
+    """
+    for module, name, t in param_list:
+        if name not in module._parameters:
+            raise AttributeError(f"_update_module_param: expected {type(module).__name__} to have a parameter "
+                                 f"{name!r}, got none")
+        module._parameters[name] = t  # type: ignore[assignment]
+
+
+def _registered(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Every (owner, name, tensor) registration under ``module``, tied parameters once per owner."""
+    return [(m, n, t) for m in module.modules() for n, t in m._parameters.items() if t is not None]
+
+
+def _reconstruct_dtensor(module: nn.Module, _input: Any = None) -> None:
+    """Forward pre-hook: register DTensors rebuilt around the local parameters (see the module docstring)."""
+    built: dict[int, torch.Tensor] = {}
+    updates = []
+    for m, name, t in _registered(module):
+        local = getattr(t, "_dp_local", t)         # a DTensor left by a forward that raised
+        spec = getattr(local, "_st_info", None)
+        if spec is None:
+            continue
+        dt = built.get(id(local))
+        if dt is None:
+            dt = built[id(local)] = _unflatten_tensor(local, spec)
+            dt._dp_local = local  # type: ignore[attr-defined]
+        updates.append((m, name, dt))
+    _update_module_param(updates)
+
+
+def _localize_dtensor(module: nn.Module, *_: Any, ignored_params: set[nn.Parameter] | None = None) -> None:
+    """Register local parameters in place of DTensor parameters (and of DTensors rebuilt for forward).
+
+    A DTensor parameter becomes ``nn.Parameter(its local tensor)`` with ``_st_info`` = its spec
+    (tied parameters stay tied); a rebuilt DTensor gives back the local parameter it wraps.
+    """
+    ignored = {id(p) for p in ignored_params or ()}
+    made: dict[int, nn.Parameter] = {}
+    updates = []
+    for m, name, t in _registered(module):
+        if id(t) in ignored:
+            continue
+        local = getattr(t, "_dp_local", None)
+        if local is None and isinstance(t, DTensor):
+            local = made.get(id(t))
+            if local is None:
+                local = made[id(t)] = _local_param(t)
+        if local is not None:
+            updates.append((m, name, local))
+    _update_module_param(updates)
+
+
+def _local_param(dt: DTensor) -> nn.Parameter:
+    flat, spec = _flatten_tensor(dt)
+    local = nn.Parameter(flat.detach(), requires_grad=dt.requires_grad)
+    local._st_info = spec  # type: ignore[attr-defined]
+    grad = dt.grad
+    if isinstance(grad, DTensor):
+        local.grad = grad.redistribute(grad.device_mesh, spec.placements).to_local().detach()  # type: ignore[union-attr]
+    return local
+
+
+def _pre_dp_module_transform(module: nn.Module) -> None:
+    """Prepare a module with DTensor parameters for DDP (see the module docstring); idempotent.
+
+    Example::
+
+        _pre_dp_module_transform(tp_model)
+        ddp = DistributedDataParallel(tp_model, process_group=mesh["dp"].get_group())
+    """
+    if getattr(module, _MARK, False):
+        return
+    _localize_dtensor(module, None, None)
+    module.register_forward_pre_hook(_reconstruct_dtensor)
+    module.register_forward_hook(_localize_dtensor)
+    module.register_state_dict_post_hook(_state_dict_as_dtensors)
+    module.register_load_state_dict_pre_hook(_load_into_locals)
+    setattr(module, _MARK, True)
+
+
+def _local_params_by_key(module: nn.Module, prefix: str) -> dict[str, nn.Parameter]:
+    out = {}
+    for name, t in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+        local = getattr(t, "_dp_local", t)
+        if getattr(local, "_st_info", None) is not None:
+            out[name] = local
+    return out
+
+
+def _state_dict_as_dtensors(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                            local_metadata: Any) -> None:
+    for key, local in _local_params_by_key(module, prefix).items():
+        if key in state_dict:
+            spec = local._st_info  # type: ignore[attr-defined]
+            state_dict[key] = make_dtensor(state_dict[key], spec.mesh, spec.placements, spec.shape, spec.stride)
+
+
+def _load_into_locals(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """DTensor values (any placements) or full tensors -> this rank's local piece (copied by nn.Module)."""
+    for key, local in _local_params_by_key(module, prefix).items():
+        value = state_dict.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        spec = local._st_info  # type: ignore[attr-defined]
+        if isinstance(value, DTensor):
+            if value.device_mesh != spec.mesh or tuple(value.placements) != tuple(spec.placements):
+                value = value.redistribute(spec.mesh, spec.placements)   # raises for another mesh
+            state_dict[key] = value.to_local()
+        elif tuple(value.shape) == tuple(spec.shape) and tuple(value.shape) != tuple(local.shape):
+            state_dict[key] = _local_piece(value, spec)
+
+
+def _local_piece(full: torch.Tensor, spec: Any) -> torch.Tensor:
+    """This rank's piece of a full tensor laid out by ``spec`` (no communication)."""
+    dt = make_dtensor(full.detach(), spec.mesh, (Replicate(),) * spec.mesh.ndim, spec.shape)
+    return dt.redistribute(spec.mesh, spec.placements).to_local()
+
+
+def has_dtensor_params(module: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def check_dp_orthogonal(module: nn.Module, pg: Any, where: str = "DistributedDataParallel") -> None:
+    """Raise unless every rank of ``pg`` holds the same piece of each DTensor parameter.
+
+    Data parallelism averages gradients across ``pg``; a parameter split (``Shard``) or partial
+    along a mesh axis that contains other ranks of ``pg`` is not replicated across ``pg``.
+    Every rank reaches the same verdict (it depends only on the mesh layouts).
+
+    Raises:
+        ValueError: naming the parameter, the mesh axis and its placement.
+    """
+    members = set(pg.ranks)
+    for name, p in module.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        mesh = p.device_mesh
+        coord = mesh.get_coordinate()
+        if coord is None:
+            raise ValueError(f"{where}: parameter {name!r} is a DTensor on {mesh!r}, which does not contain "
+                             f"rank {mesh.get_rank()}")
+        for axis, placement in enumerate(p.placements):
+            if isinstance(placement, Replicate):
+                continue
+            line = mesh.mesh.movedim(axis, -1)[tuple(c for a, c in enumerate(coord) if a != axis)].tolist()
+            shared = sorted(members.intersection(line) - {mesh.get_rank()})
+            if shared:
+                axis_name = mesh.mesh_dim_names[axis] if mesh.mesh_dim_names else str(axis)
+                raise ValueError(
+                    f"{where}: parameter {name!r} is {p!r} on {mesh!r}: placed {placement!r} along mesh axis "
+                    f"{axis_name!r}, which holds ranks {shared} of the data-parallel group {sorted(members)}; "
+                    f"expected every rank of that group to hold the same piece (Replicate along any axis it "
+                    f"shares).  Use a 2-d mesh and data parallelism over its other axis, e.g. "
+                    f"DistributedDataParallel(model, device_mesh=mesh['dp'])")
