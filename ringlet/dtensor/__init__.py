@@ -1,6 +1,7 @@
 """DTensor (layer 6): placements, the DTensor class, redistribution and sharding rules."""
 
 from ringlet.dtensor._api import DTensor, distribute_tensor, serialization_globals
+from ringlet.dtensor._factory import empty, full, ones, rand, randn, zeros
 from ringlet.dtensor._module import distribute_module
 from ringlet.dtensor.debug import CommDebugMode
 from ringlet.dtensor.experimental import implicit_replication
@@ -15,6 +16,12 @@ __all__ = [
     "Shard",
     "distribute_module",
     "distribute_tensor",
+    "empty",
+    "full",
     "implicit_replication",
+    "ones",
+    "rand",
+    "randn",
     "serialization_globals",
+    "zeros",
 ]

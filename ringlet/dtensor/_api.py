@@ -63,7 +63,8 @@ class DTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),  # type: ignore[override]
                            kwargs: dict[str, Any] | None = None) -> Any:
-        return _dispatch.dispatch(func, args, kwargs or {})
+        # Replaced by ``_dispatch.torch_dispatch`` once that module is loaded (end of this file).
+        return _dispatch.torch_dispatch(cls, func, types, args, kwargs)
 
     # -- layout ---------------------------------------------------------------------------
     @property
@@ -89,7 +90,8 @@ class DTensor(torch.Tensor):
     @staticmethod
     def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
                    placements: Sequence[Placement] | None = None, *, run_check: bool = False,
-                   shape: Sequence[int] | None = None, stride: Sequence[int] | None = None) -> DTensor:
+                   shape: Sequence[int] | None = None, stride: Sequence[int] | None = None,
+                   grad_placements: Sequence[Placement] | None = None) -> DTensor:
         """Wrap this rank's piece ``local_tensor`` of a global tensor (no communication by default).
 
         Args:
@@ -102,6 +104,11 @@ class DTensor(torch.Tensor):
                 ``Replicate`` axes (a broadcast).
             shape, stride: the global shape and stride; needed when shards are uneven
                 (default: shards assumed even, ``local size x axis size``).
+            grad_placements: the placements ``local_tensor``'s gradient is taken from: the
+                DTensor gradient is redistributed to them before it becomes the local
+                gradient.  Default: ``placements`` with ``Partial`` read as ``Replicate``.
+                ``Partial`` here skips the reduction: each rank's gradient is then its own
+                partial value (for a caller that reduces it later, e.g. once per step).
 
         Raises:
             ValueError: bad placements, or (``run_check``) shards that do not fit.
@@ -123,7 +130,9 @@ class DTensor(torch.Tensor):
         spec = DTensorSpec(mesh, pls, tuple(gshape), gstride)
         if run_check:
             local_tensor = _check_local(local_tensor, spec)
-        return _FromLocal.apply(local_tensor, spec)
+        grad_pls = _grad_placements(pls) if grad_placements is None else normalize_placements(
+            grad_placements, mesh, len(gshape), "DTensor.from_local")
+        return _FromLocal.apply(local_tensor, spec, grad_pls)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's local tensor (shares storage); its gradient becomes a DTensor with
@@ -243,18 +252,19 @@ def _grad_placements(pls: Placements) -> Placements:
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec) -> DTensor:  # type: ignore[override]
+    def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec,  # type: ignore[override]
+                grad_pls: Placements) -> DTensor:
         ctx.spec = spec
+        ctx.grad_pls = grad_pls
         return DTensor(local.detach(), spec, requires_grad=False)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None]:  # type: ignore[override]
         spec: DTensorSpec = ctx.spec
         if not isinstance(grad, DTensor):
-            return grad, None
-        want = _grad_placements(spec.placements)
-        local = redistribute_local(grad._local_tensor, spec.mesh, grad.placements, want, grad._spec.shape)
-        return local, None
+            return grad, None, None
+        local = redistribute_local(grad._local_tensor, spec.mesh, grad.placements, ctx.grad_pls, grad._spec.shape)
+        return local, None, None
 
 
 class _ToLocal(torch.autograd.Function):
@@ -386,3 +396,6 @@ _DTYPE_CODES = {dt: i for i, dt in enumerate([
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128])}
 
 from ringlet.dtensor import _dispatch
+
+# The hook is the hot path itself: one Python frame less per op ([Note: dispatch cache]).
+DTensor.__torch_dispatch__ = classmethod(_dispatch.torch_dispatch)  # type: ignore[assignment]

@@ -18,159 +18,176 @@ Every aten op on a DTensor arrives here below autograd.  The steps:
 4. Run on the local tensors.  Global output shapes come from the rule when it knows
    them (most do), else from running the op on meta tensors of the global shapes.
 5. Wrap outputs as DTensors; ops that mutate return their original DTensor argument.
+
+[Note: dispatch cache]
+Steps 1-2 and the output specs of step 5 depend only on the op, the layouts of the
+DTensor arguments (``DTensorSpec._key``: placements, global shape, stride) and the
+other arguments' values, so the first call records a :class:`Decision` under that key
+in a dict on the mesh object, and later calls with the same key skip the rule: they
+build the key, swap DTensors for their local tensors, run the recorded moves (if any)
+and the local function, and wrap the result with the recorded spec -- the same spec
+object every time, so the next op's key is built from identical tokens.  Nothing is
+ever invalidated: specs are immutable values and a rule's answer is a pure function of
+the key (rules must not look at tensor values or at state outside the key).  Each mesh
+object belongs to one rank (ranks that are threads build their own), so cached local
+functions may close over this rank's coordinate.  Not cached: calls with a non-scalar
+plain tensor (adopted as Replicate), arguments that do not hash, and ops in
+``NO_CACHE`` (those ``OVERRIDES`` may take over, e.g. under ``loss_parallel()``).
+Outputs of the replicate fallback take their shape from the local result on every
+call (data-dependent ops such as ``nonzero`` run there).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ringlet.dtensor import _shard_math
 from ringlet.dtensor._api import DTensor
+from ringlet.dtensor._decide import decide, local_spec
 from ringlet.dtensor._opcall import OpCall
+from ringlet.dtensor._plan import (
+    LOCAL,
+    MANY,
+    NO_CACHE,
+    ONE,
+    OVERRIDES,
+    RULES,
+    WRITTEN,
+    Plan,
+    register,
+)
 from ringlet.dtensor._redistribute import redistribute_local
-from ringlet.dtensor._spec import DTensorSpec, Placements
-from ringlet.dtensor.placements import Replicate
+from ringlet.dtensor._spec import DTensorSpec
 
-__all__ = ["RULES", "OpCall", "Plan", "dispatch", "register"]
+__all__ = ["NO_CACHE", "OVERRIDES", "RULES", "OpCall", "Plan", "dispatch", "register", "torch_dispatch",
+           "wrap_local"]
 
 aten = torch.ops.aten
-Rule = Callable[["OpCall"], "Plan"]
-RULES: dict[Any, Rule] = {}
-LocalFn = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+_new_wrapper = torch.Tensor._make_wrapper_subclass
+_ATOMS = frozenset({int, float, bool, type(None), str})
+_SCALAR = object()              # key marker: a 0-d plain tensor (its dtype follows)
+_STRIDED = torch.strided
 
 
-def register(*ops: Any) -> Callable[[Rule], Rule]:
-    """Register a sharding rule for aten overloads or whole overload packets."""
-    def deco(rule: Rule) -> Rule:
-        for op in ops:
-            RULES[op] = rule
-        return rule
-    return deco
+class _Uncached(Exception):
+    """This call cannot use the cache (see [Note: dispatch cache])."""
 
 
-@dataclasses.dataclass
-class Plan:
-    """A rule's answer (see [Note: DTensor dispatch]).
-
-    ``inputs[k]``: placements DTensor argument ``k`` (``OpCall.dts`` order) must have.
-    ``outputs``: placements of every tensor output (one tuple for all, or a list with
-    one entry per tensor in the output's flattened order); ``None``: the local result
-    is returned as is (a Python value).
-    """
-
-    inputs: list[Placements]
-    outputs: Placements | list[Placements] | None
-    local_fn: LocalFn | None = None
-    # Global output shapes when the rule knows them (one for all outputs, or one per output
-    # leaf); ``"local"``: every output is Replicate, so the local shape is the global one;
-    # None: run the op on meta tensors.  Elementwise ops, cat, addmm, layer norm... must say:
-    # their meta kernels are Python references whose first use imports torch._dynamo (seconds).
-    shapes: tuple[int, ...] | list[tuple[int, ...] | None] | str | None = None
+def wrap_local(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A DTensor around ``local`` (no checks, no autograd): the cheapest constructor."""
+    # positional arguments: measurably cheaper to parse than keywords (size, strides,
+    # storage_offset, memory_format, dtype, layout, device)
+    r = _new_wrapper(DTensor, spec.shape, spec.stride, None, None, local.dtype, _STRIDED, local.device)
+    r._local_tensor = local
+    r._spec = spec
+    return r
 
 
-def unsupported(call: OpCall, why: str = "") -> NotImplementedError:
-    extra = f" ({why})" if why else ""
-    return NotImplementedError(
-        f"{call.func}: no DTensor sharding rule for {call.describe()} on {call.mesh!r}{extra}; ops without a "
-        "rule run only when every DTensor argument is Replicate: redistribute first (e.g. "
-        ".redistribute(mesh, [Replicate()]) or .full_tensor())")
+def torch_dispatch(cls: Any, func: Any, types: Any, args: tuple[Any, ...] = (),
+                   kwargs: dict[str, Any] | None = None) -> Any:
+    """``DTensor.__torch_dispatch__`` itself (installed by ``_api``; see [Note: DTensor dispatch] and
+    [Note: dispatch cache])."""
+    mesh: Any = None
+    key: list[Any] = [func]
+    largs: list[Any] = []
+    lkwargs: dict[str, Any] = {}
+    try:
+        for x in args:                     # the common leaves inline: this loop is the hot path
+            if type(x) is DTensor:
+                s = x._spec
+                if s.mesh is not mesh:
+                    mesh = _same_mesh(mesh, s.mesh)
+                key.append(s._key)
+                largs.append(x._local_tensor)
+            elif type(x) in _ATOMS:
+                key.append(x)
+                largs.append(x)
+            else:
+                mesh = _leaf(x, key, largs, mesh)
+        if kwargs:
+            vals: list[Any] = []
+            for k, v in kwargs.items():
+                key.append(k)
+                mesh = _leaf(v, key, vals, mesh)
+                lkwargs[k] = vals[-1]
+        tkey = tuple(key)
+        decision = mesh._op_cache.get(tkey)
+    except (_Uncached, TypeError, AttributeError):   # TypeError: unhashable; AttributeError: no mesh
+        return decide(func, args, kwargs or {}, None)
+    if decision is None:
+        return decide(func, args, kwargs or {}, tkey)
+    fn, moves, kind, out = decision
+    if moves:
+        _move(moves, largs, lkwargs, mesh)
+    res = fn(*largs, **lkwargs) if lkwargs else fn(*largs)
+    if kind == ONE:
+        return wrap_local(res, out)
+    return _finish(kind, out, res, args, kwargs or {})
 
 
-def replicate_rule(call: OpCall) -> Plan:
-    """Any op whose DTensor arguments are all Replicate: run it locally, outputs Replicate."""
-    rep = (Replicate(),) * call.mesh.ndim
-    return Plan([rep] * len(call.dts), rep, shapes="local")
+def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+    """Dispatch ``func`` on DTensor arguments as ``__torch_dispatch__`` would."""
+    return torch_dispatch(DTensor, func, (), args, kwargs)
 
 
-def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``DTensor.__torch_dispatch__`` (see [Note: DTensor dispatch])."""
-    call = OpCall(func, args, kwargs)
-    rule = RULES.get(func) or RULES.get(func.overloadpacket) or _family_rule(func)
-    if rule is None:
-        if all(all(p.is_replicate() for p in d.placements) for d in call.dts):
-            rule = replicate_rule
+def _same_mesh(mesh: Any, other: Any) -> Any:
+    if mesh is None:
+        return other
+    if other != mesh:
+        raise _Uncached                     # the rule-driven path names the two meshes
+    return mesh
+
+
+def _leaf(x: Any, key: list[Any], out: list[Any], mesh: Any) -> Any:
+    """Key and local value of an argument that is not a DTensor or an atom; returns the mesh."""
+    t = type(x)
+    if t is DTensor:
+        s = x._spec
+        key.append(s._key)
+        out.append(x._local_tensor)
+        return _same_mesh(mesh, s.mesh)
+    if t is list or t is tuple:
+        sub_key: list[Any] = []
+        sub: list[Any] = []
+        for y in x:
+            mesh = _leaf(y, sub_key, sub, mesh)
+        key.append(tuple(sub_key))
+        out.append(t(sub))
+        return mesh
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 0:
+            raise _Uncached                 # a plain tensor among DTensors: adoption rules apply
+        key.append(_SCALAR)
+        key.append(x.dtype)
+    else:
+        key.append(x)
+    out.append(x)
+    return mesh
+
+
+def _move(moves: tuple[Any, ...], largs: list[Any], lkwargs: dict[str, Any], mesh: Any) -> None:
+    for slot, j, src, dst, shape in moves:
+        holder: Any = largs if isinstance(slot, int) else lkwargs
+        if j < 0:
+            holder[slot] = redistribute_local(holder[slot], mesh, src, dst, shape)
         else:
-            raise unsupported(call)
-    plan = rule(call)
-    written = call.written_positions()
-    flat = list(call.flat)
-    for k, (pos, d) in enumerate(zip(call.positions, call.dts)):
-        want = plan.inputs[k]
-        local = d._local_tensor
-        if want != d.placements:
-            if pos in written:
-                raise RuntimeError(f"{func}: the op writes {d!r} in place but its rule needs it as "
-                                   f"{''.join(map(repr, want))}; redistribute it first")
-            local = redistribute_local(local, call.mesh, d.placements, want, d._spec.shape)
-        flat[pos] = local
-    largs, lkwargs = call.rebuild(flat)
-    out = plan.local_fn(func, largs, lkwargs) if plan.local_fn is not None else func(*largs, **lkwargs)
-    if plan.outputs is None:
-        return out
-    if written and _returns_written(func):
-        return _written_results(call)
-    return _wrap(call, out, plan)
+            seq = list(holder[slot])
+            seq[j] = redistribute_local(seq[j], mesh, src, dst, shape)
+            holder[slot] = type(holder[slot])(seq)
 
 
-def _family_rule(func: Any) -> Rule | None:
-    from ringlet.dtensor._ops import family_rule
-
-    return family_rule(func)
-
-
-def _returns_written(func: Any) -> bool:
-    rets = func._schema.returns
-    return not rets or all(r.alias_info is not None and r.alias_info.is_write for r in rets)
-
-
-def _written_results(call: OpCall) -> Any:
-    rets = call.func._schema.returns
-    if not rets:
-        return None
-    bound = call.bound()
-    by_set = {}
-    for a in call.func._schema.arguments:
-        if a.alias_info is not None and a.alias_info.is_write:
-            by_set[frozenset(a.alias_info.before_set)] = bound.get(a.name)
-    out = [by_set.get(frozenset(r.alias_info.before_set)) for r in rets]
-    return out[0] if len(out) == 1 else tuple(out)
-
-
-def _leaves(out: Any) -> list[Any]:
-    return list(out) if isinstance(out, list | tuple) else [out]
-
-
-def _wrap(call: OpCall, out: Any, plan: Plan) -> Any:
-    """Local results -> DTensors; list ``outputs``/``shapes`` have one entry per output leaf."""
-    leaves = _leaves(out)
-    outputs, shapes = plan.outputs, plan.shapes
-    if outputs is None:  # pragma: no cover - dispatch returns raw results before wrapping
-        raise AssertionError("no output placements")
-    metas = _leaves(call.meta()) if shapes is None else None
-    if isinstance(outputs, list) and len(outputs) != len(leaves):
-        raise AssertionError(f"{call.func}: rule gave {len(outputs)} output placements for {len(leaves)} outputs")
-    for i, x in enumerate(leaves):
-        if not isinstance(x, torch.Tensor):
-            continue
-        pls = outputs if isinstance(outputs, tuple) else outputs[i]
-        if metas is not None:
-            shape, stride = tuple(metas[i].shape), tuple(metas[i].stride())
-        elif shapes == "local":
-            shape, stride = tuple(x.shape), tuple(x.stride())
-        else:
-            got = shapes if isinstance(shapes, tuple) else shapes[i]  # type: ignore[index]
-            if got is None:
-                raise AssertionError(f"{call.func}: rule gave no shape for output {i}")
-            shape = tuple(got)
-            stride = _shard_math.strides_like(x, shape)
-        leaves[i] = DTensor(x, DTensorSpec(call.mesh, pls, shape, stride), requires_grad=False)
-    if isinstance(out, list | tuple):
-        return type(out)(leaves) if type(out) in (list, tuple) else tuple(leaves)
-    return leaves[0]
+def _finish(kind: int, out: Any, res: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Outputs of a cached decision other than a single tensor (see ``Decision``)."""
+    if kind == MANY:
+        container, specs = out
+        return container([x if s is None else wrap_local(x, s) for x, s in zip(res, specs)])
+    if kind == WRITTEN:
+        picked = [args[p] if isinstance(p, int) else kwargs[p] for p in out]
+        return None if not picked else picked[0] if len(picked) == 1 else tuple(picked)
+    if kind == LOCAL:
+        return wrap_local(res, local_spec(out, res))
+    return res
 
 
 from ringlet.dtensor import _ops  # noqa: F401  (registers the rules)

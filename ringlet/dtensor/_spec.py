@@ -1,9 +1,17 @@
-"""``DTensorSpec``: a DTensor's mesh, placements, global shape and stride (pure metadata)."""
+"""``DTensorSpec``: a DTensor's mesh, placements, global shape and stride (pure metadata).
+
+Specs are immutable values.  Each one carries ``_key``: a token shared by every spec with
+the same placements, shape and stride (interned here), which is what the dispatch cache
+keys on ([Note: dispatch cache] in ``_dispatch.py``): the token hashes and compares by
+identity, so building a cache key costs an attribute read per DTensor argument.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -31,6 +39,9 @@ class DTensorSpec:
     shape: tuple[int, ...]        # global shape
     stride: tuple[int, ...]       # global stride (what the wrapper tensor reports)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_key", _intern(self.placements, self.shape, self.stride))
+
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -55,6 +66,40 @@ class DTensorSpec:
 
     def is_replicated(self) -> bool:
         return all(p.is_replicate() for p in self.placements)
+
+
+class _SpecKey:
+    """A layout token: hashes and compares by identity (C-level), unlike a tuple of tuples."""
+
+    __slots__ = ("serial", "value")
+
+    def __init__(self, value: tuple[Any, ...], serial: int) -> None:
+        self.value = value
+        self.serial = serial
+
+    def __repr__(self) -> str:
+        return f"SpecKey#{self.serial}"
+
+
+_KEYS: dict[tuple[Any, ...], _SpecKey] = {}
+_SERIAL = itertools.count()
+_MAX_KEYS = 100_000      # distinct layouts remembered; past that the table restarts (see _intern)
+
+
+def _intern(placements: Placements, shape: tuple[int, ...], stride: tuple[int, ...]) -> _SpecKey:
+    """The token of a layout.  Thread-safe under the GIL (``dict.setdefault`` is atomic).
+
+    Models see a few hundred layouts; a program that keeps inventing shapes (e.g. every
+    sequence length) would grow the table forever, so it restarts past ``_MAX_KEYS``.
+    Specs made before then keep their tokens: their cache entries just stop being shared.
+    """
+    value = (placements, shape, stride)
+    key = _KEYS.get(value)
+    if key is None:
+        if len(_KEYS) >= _MAX_KEYS:
+            _KEYS.clear()
+        key = _KEYS.setdefault(value, _SpecKey(value, next(_SERIAL)))
+    return key
 
 
 def normalize_placements(placements: Sequence[Placement] | None, mesh: DeviceMesh, ndim: int,

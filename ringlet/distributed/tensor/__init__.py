@@ -11,6 +11,12 @@ from ringlet.dtensor import (
     Shard,
     distribute_module,
     distribute_tensor,
+    empty,
+    full,
+    ones,
+    rand,
+    randn,
+    zeros,
 )
 from ringlet.mesh import DeviceMesh, init_device_mesh
 
@@ -23,5 +29,11 @@ __all__ = [
     "Shard",
     "distribute_module",
     "distribute_tensor",
+    "empty",
+    "full",
     "init_device_mesh",
+    "ones",
+    "rand",
+    "randn",
+    "zeros",
 ]

@@ -130,10 +130,11 @@ def reduction_rule(call: OpCall) -> Plan:
     shape = reduced_shape(x.shape, reduced, keepdim)
     if kind == "mean":
         count = math.prod(x.shape[d] for d in reduced)
+        dtype = bound.get("dtype")
 
         def mean_fn(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             local = args[0]
-            s = torch.sum(local, dim=reduced, keepdim=keepdim, dtype=bound.get("dtype"))
+            s = torch.sum(local, dim=reduced, keepdim=keepdim, dtype=dtype)
             return s / count if count else s * math.nan
         return Plan(inputs, tuple(out), mean_fn, shape)
     if kind in ("max", "min"):

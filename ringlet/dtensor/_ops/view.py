@@ -86,13 +86,18 @@ def _local_shape(call: OpCall, out: Sequence[Placement]) -> list[int]:
 
 
 def _with_size(pos: int, out: list[Placement], call: OpCall) -> Any:
-    """A local function that calls the op with the local output size in argument ``pos``."""
+    """A local function that calls the op with the local output size in argument ``pos``.
+
+    The size is computed now (from the key's shapes), so the function holds no tensor.
+    """
+    local = _local_shape(call, out)
+
     def fn(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         a = list(args)
-        a[pos] = _local_shape(call, out)
-        if func in (aten.view.default, aten._unsafe_view.default) and not _viewable(a[0], a[pos]):
+        a[pos] = local
+        if func in (aten.view.default, aten._unsafe_view.default) and not _viewable(a[0], local):
             # The global strides promised a view, but this rank's piece (from from_local) has gaps.
-            return a[0].reshape(a[pos])
+            return a[0].reshape(local)
         return func(*a, **kwargs)
     return fn
 

@@ -1,0 +1,206 @@
+"""The uncached path of DTensor dispatch: ask the rule, move, run, wrap -- and record the decision.
+
+Steps 1-5 of [Note: DTensor dispatch]; :func:`decide` also turns what it did into a
+:class:`~ringlet.dtensor._plan.Decision` for the cache ([Note: dispatch cache]), so that
+the cached path repeats exactly these moves and output specs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ringlet.dtensor import _shard_math
+from ringlet.dtensor._api import DTensor
+from ringlet.dtensor._opcall import OpCall
+from ringlet.dtensor._plan import (
+    LOCAL,
+    MANY,
+    NO_CACHE,
+    ONE,
+    OVERRIDES,
+    RAW,
+    RULES,
+    WRITTEN,
+    Decision,
+    Plan,
+    replicate_rule,
+    unsupported,
+)
+from ringlet.dtensor._redistribute import redistribute_local
+from ringlet.dtensor._spec import DTensorSpec
+
+__all__ = ["decide", "rule_for"]
+
+MAX_DECISIONS = 4096         # per mesh; past that many distinct calls the cache starts over
+
+
+def rule_for(func: Any) -> Any:
+    """The registered rule of ``func`` (overload, then packet, then family), or None."""
+    rule = RULES.get(func) or RULES.get(func.overloadpacket)
+    if rule is None:
+        from ringlet.dtensor._ops import family_rule
+
+        rule = family_rule(func)
+    return rule
+
+
+def decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[Any, ...] | None = None, *,
+           overrides: bool = True) -> Any:
+    """Dispatch one call through its rule; with ``key``, record the decision on the mesh.
+
+    ``overrides=False``: ignore ``OVERRIDES`` (how an override hands a call it declines back).
+    """
+    handlers = OVERRIDES.get() if overrides else None
+    if handlers is not None and func in handlers:
+        return handlers[func](func, args, kwargs)
+    call = OpCall(func, args, kwargs)
+    rule = rule_for(func)
+    if rule is None:
+        if not all(all(p.is_replicate() for p in d.placements) for d in call.dts):
+            raise unsupported(call)
+        rule = replicate_rule
+    plan = rule(call)
+    written = call.written_positions()
+    flat = list(call.flat)
+    moves: list[tuple[int, Any, Any, Any]] = []
+    for k, (pos, d) in enumerate(zip(call.positions, call.dts)):
+        want = plan.inputs[k]
+        local = d._local_tensor
+        if want != d.placements:
+            if pos in written:
+                raise RuntimeError(f"{func}: the op writes {d!r} in place but its rule needs it as "
+                                   f"{''.join(map(repr, want))}; redistribute it first")
+            local = redistribute_local(local, call.mesh, d.placements, want, d._spec.shape)
+            moves.append((pos, d.placements, want, d._spec.shape))
+        flat[pos] = local
+    largs, lkwargs = call.rebuild(flat)
+    fn = _runner(func, plan)
+    out = fn(*largs, **lkwargs)
+    if plan.outputs is None:
+        result, kind, desc = out, RAW, None
+    elif written and _returns_written(func):
+        result, kind, desc = _written_results(call), WRITTEN, _written_slots(call)
+    else:
+        result = _wrap(call, out, plan)
+        kind, desc = _describe(call, result, plan)
+    if key is not None and kind is not None and func not in NO_CACHE:
+        cache = call.mesh._op_cache
+        if len(cache) >= MAX_DECISIONS:
+            cache.clear()
+        cache[key] = Decision(fn, tuple(_slot_moves(call, moves)), kind, desc)
+    return result
+
+
+def _runner(func: Any, plan: Plan) -> Any:
+    if plan.local_fn is None:
+        return getattr(func, "_op", func)       # OpOverload.__call__ only forwards to _op
+    local_fn = plan.local_fn
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return local_fn(func, args, kwargs)
+    return run
+
+
+def _slot_moves(call: OpCall, moves: list[tuple[int, Any, Any, Any]]) -> list[tuple[Any, ...]]:
+    """Flat positions -> (argument index or keyword, element index or -1)."""
+    where: dict[int, tuple[Any, int]] = {}
+    offset = 0
+    names = list(call.kwargs)
+    for i, entry in enumerate(call.spec):
+        slot: Any = i if i < len(call.args) else names[i - len(call.args)]
+        if entry is None:
+            where[offset] = (slot, -1)
+            offset += 1
+        else:
+            for j in range(entry[1]):
+                where[offset + j] = (slot, j)
+            offset += entry[1]
+    return [where[pos] + (src, dst, shape) for pos, src, dst, shape in moves]
+
+
+def _describe(call: OpCall, result: Any, plan: Plan) -> tuple[int | None, Any]:
+    """How the cached path rebuilds ``result`` from the local output (None: do not cache)."""
+    if plan.shapes == "local":
+        if isinstance(result, DTensor):
+            return LOCAL, (call.mesh, result.placements, {})
+        return None, None
+    if isinstance(result, DTensor):
+        return ONE, result._spec
+    if type(result) in (list, tuple):
+        return MANY, (type(result), [x._spec if isinstance(x, DTensor) else None for x in result])
+    return None, None
+
+
+def local_spec(out: Any, local: torch.Tensor) -> DTensorSpec:
+    """The spec of a ``LOCAL`` output (Replicate: the local shape is the global one), cached by shape."""
+    mesh, pls, specs = out
+    k = (tuple(local.shape), tuple(local.stride()))
+    spec = specs.get(k)
+    if spec is None:
+        if len(specs) >= 64:          # data-dependent shapes (nonzero, unique): keep a few
+            specs.clear()
+        spec = specs[k] = DTensorSpec(mesh, pls, k[0], k[1])
+    return spec
+
+
+@functools.cache
+def _returns_written(func: Any) -> bool:
+    rets = func._schema.returns
+    return not rets or all(r.alias_info is not None and r.alias_info.is_write for r in rets)
+
+
+def _written_names(func: Any) -> list[str]:
+    """Schema names of the written arguments that ``func`` returns, in return order."""
+    by_set = {}
+    for a in func._schema.arguments:
+        if a.alias_info is not None and a.alias_info.is_write:
+            by_set[frozenset(a.alias_info.before_set)] = a.name
+    return [by_set[frozenset(r.alias_info.before_set)] for r in func._schema.returns]
+
+
+def _written_results(call: OpCall) -> Any:
+    bound = call.bound()
+    out = [bound.get(n) for n in _written_names(call.func)]
+    return None if not out else out[0] if len(out) == 1 else tuple(out)
+
+
+def _written_slots(call: OpCall) -> tuple[Any, ...]:
+    """Where the returned written arguments sit in the call: positional index or keyword."""
+    positional = [a.name for a in call.func._schema.arguments][:len(call.args)]
+    return tuple(positional.index(n) if n in positional else n for n in _written_names(call.func))
+
+
+def _leaves(out: Any) -> list[Any]:
+    return list(out) if isinstance(out, list | tuple) else [out]
+
+
+def _wrap(call: OpCall, out: Any, plan: Plan) -> Any:
+    """Local results -> DTensors; list ``outputs``/``shapes`` have one entry per output leaf."""
+    leaves = _leaves(out)
+    outputs, shapes = plan.outputs, plan.shapes
+    if outputs is None:  # pragma: no cover - decide returns raw results before wrapping
+        raise AssertionError("no output placements")
+    metas = _leaves(call.meta()) if shapes is None else None
+    if isinstance(outputs, list) and len(outputs) != len(leaves):
+        raise AssertionError(f"{call.func}: rule gave {len(outputs)} output placements for {len(leaves)} outputs")
+    for i, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor):
+            continue
+        pls = outputs if isinstance(outputs, tuple) else outputs[i]
+        if metas is not None:
+            shape, stride = tuple(metas[i].shape), tuple(metas[i].stride())
+        elif shapes == "local":
+            shape, stride = tuple(x.shape), tuple(x.stride())
+        else:
+            got = shapes if isinstance(shapes, tuple) else shapes[i]  # type: ignore[index]
+            if got is None:
+                raise AssertionError(f"{call.func}: rule gave no shape for output {i}")
+            shape = tuple(got)
+            stride = _shard_math.strides_like(x, shape)
+        leaves[i] = DTensor(x, DTensorSpec(call.mesh, pls, shape, stride), requires_grad=False)
+    if isinstance(out, list | tuple):
+        return type(out)(leaves) if type(out) in (list, tuple) else tuple(leaves)
+    return leaves[0]

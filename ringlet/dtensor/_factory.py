@@ -1,0 +1,133 @@
+"""DTensor factories: ``ones``, ``zeros``, ``empty``, ``full``, ``rand``, ``randn`` (torch's signatures).
+
+Each builds only this rank's piece, on the mesh's device, with contiguous global strides.
+``rand`` and ``randn`` draw the *whole* tensor from the default generator and keep this
+rank's piece, so a DTensor drawn after ``torch.manual_seed(s)`` holds the same values as
+``torch.randn(size)`` after the same seed on one process, whatever the placements (at
+the cost of drawing the full tensor on every rank).  A ``Partial`` axis holds the value on
+coordinate 0 and zeros elsewhere (``sum``), so the global value is what was asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ringlet.dtensor import _shard_math
+from ringlet.dtensor._api import DTensor, default_mesh
+from ringlet.dtensor._spec import DTensorSpec, normalize_placements
+from ringlet.dtensor.placements import Partial, Placement, Shard
+from ringlet.mesh import DeviceMesh
+
+__all__ = ["empty", "full", "ones", "rand", "randn", "zeros"]
+
+
+def _size(size: Sequence[Any], op: str) -> tuple[int, ...]:
+    """``f(2, 3)``, ``f((2, 3))`` and ``f([2, 3])`` all mean shape ``(2, 3)``."""
+    if len(size) == 1 and isinstance(size[0], Sequence | torch.Size):
+        size = tuple(size[0])
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in size):
+        raise TypeError(f"{op}: size: expected non-negative ints, got {tuple(size)!r}")
+    return tuple(int(s) for s in size)
+
+
+def _build(op: str, size: tuple[int, ...], make: Callable[[list[int]], torch.Tensor], whole: bool,
+           device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None, requires_grad: bool,
+           layout: torch.layout) -> DTensor:
+    if layout != torch.strided:
+        raise ValueError(f"{op}: layout: expected torch.strided, got {layout}")
+    mesh = device_mesh if device_mesh is not None else default_mesh()
+    pls = normalize_placements(placements, mesh, len(size), op)
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError(f"{op}: rank {mesh.get_rank()} is not part of {mesh!r}")
+    if whole:                               # draw everything, keep my piece (see module docstring)
+        local = make(list(size))
+        for axis, p in enumerate(pls):
+            if isinstance(p, Shard):
+                local = p.local_chunk(local, mesh.shape[axis], coord[axis])
+        local = local.clone(memory_format=torch.contiguous_format) if local.dim() else local
+    else:
+        local = make(_shard_math.local_shape_and_offset(size, mesh.shape, coord, pls)[0])
+    for axis, p in enumerate(pls):
+        if isinstance(p, Partial):
+            local = p.partition(local, coord[axis])
+    spec = DTensorSpec(mesh, pls, size, _shard_math.contiguous_strides(size))
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def _device(mesh: DeviceMesh | None) -> str:
+    return (mesh if mesh is not None else default_mesh()).device_type
+
+
+def ones(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
+         requires_grad: bool = False, device_mesh: DeviceMesh | None = None,
+         placements: Sequence[Placement] | None = None) -> DTensor:
+    """A DTensor of ones of global shape ``size`` laid out by ``placements`` on ``device_mesh``.
+
+    Args:
+        size: ints, or one sequence of ints (``ones(4, 8)`` or ``ones((4, 8))``).
+        dtype, layout, requires_grad: as ``torch.ones`` (only ``torch.strided``).
+        device_mesh: the mesh (default: a 1-d mesh of the whole world).
+        placements: one per mesh axis (default: all ``Replicate``).
+
+    Raises:
+        ValueError / TypeError: bad size, placements or layout.
+
+    Example::
+
+        w = ones(8, 4, device_mesh=mesh, placements=[Shard(0)])     # 2 ranks: local [4, 4]
+    """
+    dev = _device(device_mesh)
+    return _build("ones", _size(size, "ones"), lambda s: torch.ones(s, dtype=dtype, device=dev), False,
+                  device_mesh, placements, requires_grad, layout)
+
+
+def zeros(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = None,
+          layout: torch.layout = torch.strided, device_mesh: DeviceMesh | None = None,
+          placements: Sequence[Placement] | None = None) -> DTensor:
+    """A DTensor of zeros (arguments as :func:`ones`)."""
+    dev = _device(device_mesh)
+    return _build("zeros", _size(size, "zeros"), lambda s: torch.zeros(s, dtype=dtype, device=dev), False,
+                  device_mesh, placements, requires_grad, layout)
+
+
+def empty(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
+          requires_grad: bool = False, device_mesh: DeviceMesh | None = None,
+          placements: Sequence[Placement] | None = None) -> DTensor:
+    """An uninitialized DTensor (arguments as :func:`ones`)."""
+    dev = _device(device_mesh)
+    return _build("empty", _size(size, "empty"), lambda s: torch.empty(s, dtype=dtype, device=dev), False,
+                  device_mesh, placements, requires_grad, layout)
+
+
+def full(size: Sequence[int], fill_value: Any, *, dtype: torch.dtype | None = None,
+         layout: torch.layout = torch.strided, requires_grad: bool = False,
+         device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None) -> DTensor:
+    """A DTensor filled with ``fill_value`` (``size`` is one sequence, as in ``torch.full``)."""
+    dev = _device(device_mesh)
+    return _build("full", _size((size,), "full"),
+                  lambda s: torch.full(s, fill_value, dtype=dtype, device=dev), False,
+                  device_mesh, placements, requires_grad, layout)
+
+
+def rand(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = None,
+         layout: torch.layout = torch.strided, device_mesh: DeviceMesh | None = None,
+         placements: Sequence[Placement] | None = None) -> DTensor:
+    """Uniform ``[0, 1)`` values, the same global tensor as ``torch.rand(size)`` would draw now
+    (see the module docstring); arguments as :func:`ones`."""
+    dev = _device(device_mesh)
+    return _build("rand", _size(size, "rand"), lambda s: torch.rand(s, dtype=dtype, device=dev), True,
+                  device_mesh, placements, requires_grad, layout)
+
+
+def randn(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = None,
+          layout: torch.layout = torch.strided, device_mesh: DeviceMesh | None = None,
+          placements: Sequence[Placement] | None = None) -> DTensor:
+    """Standard normal values, the same global tensor as ``torch.randn(size)`` would draw now
+    (see the module docstring); arguments as :func:`ones`."""
+    dev = _device(device_mesh)
+    return _build("randn", _size(size, "randn"), lambda s: torch.randn(s, dtype=dtype, device=dev), True,
+                  device_mesh, placements, requires_grad, layout)
