@@ -52,7 +52,8 @@ def _check_planner(planner: Any, kind: type, op: str) -> None:
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
          storage_writer: FileSystemWriter | None = None, planner: DefaultSavePlanner | None = None,
          process_group: Any = None, no_dist: bool = False, use_collectives: bool = True) -> Metadata:
-    """Save ``state_dict`` (a collective: every rank of ``process_group`` calls it).
+    """Save ``state_dict`` (a collective: every rank of ``process_group`` calls it; an
+    ``async_save`` of this rank still in flight is waited for first).
 
     Each rank writes only the pieces it owns (a tensor replicated on several ranks is
     written once); rank 0 then publishes ``metadata.json`` atomically.  Tensors may be
@@ -82,6 +83,7 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     _check_planner(planner, DefaultSavePlanner, "save")
     writer = resolve_location("save", checkpoint_id, storage_writer, FileSystemWriter)
     coord = _coordinator(process_group, no_dist, "save")
+    _wait_inflight()
     resolved, _ = resolve_stateful(state_dict)
     prep = prepare(resolved, writer, coord)
     return finish(prep, write(prep, coord.rank), coord)
@@ -127,6 +129,14 @@ def _slot() -> int:
     return id(w) if w is not None else 0
 
 
+def _wait_inflight() -> None:
+    """Saves of one rank never overlap: wait for this rank's async save still in flight, if any."""
+    with _inflight_lock:
+        previous = _inflight.pop(_slot(), None)
+    if previous is not None:
+        concurrent.futures.wait([previous])
+
+
 def _snapshot(prep: Prepared) -> None:
     """Copy the pieces this rank writes, so later updates of the live tensors cannot leak in."""
     staged = []
@@ -168,11 +178,7 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
     _check_planner(planner, DefaultSavePlanner, "async_save")
     writer = resolve_location("async_save", checkpoint_id, storage_writer, FileSystemWriter)
     coord = _coordinator(process_group, no_dist, "async_save")
-    slot = _slot()
-    with _inflight_lock:
-        previous = _inflight.get(slot)
-    if previous is not None:
-        concurrent.futures.wait([previous])
+    _wait_inflight()
     resolved, _ = resolve_stateful(state_dict)
     prep = prepare(resolved, writer, coord)
     try:
@@ -192,6 +198,6 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
 
     thread = threading.Thread(target=run, name=f"ringlet-async-save-{prep.save_id}")
     with _inflight_lock:
-        _inflight[slot] = future
+        _inflight[_slot()] = future
     thread.start()
     return future

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Leaf", "Path", "decode_value", "encode_value", "flatten", "join_path", "replace_leaves"]
+__all__ = ["Leaf", "Path", "decode_value", "encode_value", "flatten", "join_path", "lists_back", "replace_leaves",
+           "tree_from_paths"]
 
 Path = tuple[str | int, ...]
 
@@ -151,3 +152,24 @@ def _replace(node: Any, updates: dict[Path, Any]) -> Any:
             return type(node)(*items)
         return type(node)(items)
     raise AssertionError(f"replace_leaves: cannot descend into a {type(node).__name__}")
+
+
+def tree_from_paths(leaves: list[tuple[Path, Any]]) -> dict[Any, Any]:
+    """Nested dicts from ``(path, value)`` pairs; dicts keyed ``0 .. n-1`` become lists again."""
+    tree: dict[Any, Any] = {}
+    for path, value in leaves:
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return lists_back(tree)
+
+
+def lists_back(node: Any) -> Any:
+    """Dicts keyed ``0 .. n-1`` (flattened lists: param groups, their params) back to lists."""
+    if not isinstance(node, dict):
+        return node
+    items = {k: lists_back(v) for k, v in node.items()}
+    if items and all(isinstance(k, int) for k in items) and sorted(items) == list(range(len(items))):
+        return [items[i] for i in range(len(items))]
+    return items

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringlet.checkpoint._flatten import tree_from_paths
 from ringlet.checkpoint._sd_utils import (
     broadcast_leaves,
     global_rank,
@@ -90,23 +91,7 @@ def _received(optim_state_dict: Any, opts: Any) -> dict[str, Any]:
     """The state dict to load on this rank (rank 0's, streamed, with ``broadcast_from_rank0``)."""
     if not opts.broadcast_from_rank0:
         return optim_state_dict
-    tree: dict[Any, Any] = {}
-    for path, value in broadcast_leaves(optim_state_dict if global_rank() == 0 else None):
-        node = tree
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    return _lists(tree)
-
-
-def _lists(node: Any) -> Any:
-    """Dicts keyed 0..n-1 (flattened lists: param groups, their params) back to lists."""
-    if not isinstance(node, dict):
-        return node
-    items = {k: _lists(v) for k, v in node.items()}
-    if items and all(isinstance(k, int) for k in items) and sorted(items) == list(range(len(items))):
-        return [items[i] for i in range(len(items))]
-    return items
+    return tree_from_paths(list(broadcast_leaves(optim_state_dict if global_rank() == 0 else None)))
 
 
 def set_(model: nn.Module, optimizers: list[torch.optim.Optimizer], optim_state_dict: dict[str, Any],

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ringlet.checkpoint._coord import Coordinator
+from ringlet.checkpoint._flatten import tree_from_paths
 from ringlet.checkpoint._load import load_into
 from ringlet.checkpoint._metadata import BLOCK_BYTES, METADATA_FILE, Metadata
 from ringlet.checkpoint._save import finish, prepare, write
@@ -37,27 +38,13 @@ def _metadata(directory: str) -> Metadata:
     return Metadata.from_json_bytes(read_metadata(directory), os.path.join(directory, METADATA_FILE))
 
 
-def _lists(node: Any) -> Any:
-    if not isinstance(node, dict):
-        return node
-    items = {k: _lists(v) for k, v in node.items()}
-    if items and all(isinstance(k, int) for k in items) and sorted(items) == list(range(len(items))):
-        return [items[i] for i in range(len(items))]
-    return items
-
-
 def read_all(directory: str) -> dict[str, Any]:
     """The whole checkpoint as a nested state dict of full tensors and values (checksums verified)."""
     meta = _metadata(directory)
-    tree: dict[Any, Any] = {}
-    for path, leaf in [(t.path, torch.empty(t.shape, dtype=t.torch_dtype)) for t in meta.tensors.values()] + [
-            (p, None) for p, _ in meta.values.values()]:
-        node = tree
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = leaf
+    tree = tree_from_paths([(t.path, torch.empty(t.shape, dtype=t.torch_dtype)) for t in meta.tensors.values()]
+                           + [(p, None) for p, _ in meta.values.values()])
     load_into(tree, directory, Coordinator())
-    return _lists(tree)
+    return tree
 
 
 def _save_local(state_dict: dict[str, Any], directory: str) -> None:
