@@ -465,7 +465,7 @@ def hier_fake_hosts(rank: int, n: int, layouts: list[list[str]]) -> list[str]:
     from ringlet.store import PrefixStore
     from ringlet.transport.base import OpContext
     from ringlet.transport.hierarchical import HierarchicalTransport
-    from ringlet.transport.reduce import RedOpType, combine_, finish_
+    from ringlet.transport.reduce import RedOpType, reduction
 
     bad: list[str] = []
     seq = [0]
@@ -491,19 +491,13 @@ def hier_fake_hosts(rank: int, n: int, layouts: list[list[str]]) -> list[str]:
                       for r in range(n)]
                 factor = 0.37 if op == RedOpType.PREMUL_SUM else None
                 parts = [x * factor for x in xs] if factor else xs
-                partials = []
-                for g in groups.values():
-                    acc = torch.empty_like(xs[0])
-                    combine_(acc, [parts[i] for i in g], op)
-                    partials.append(acc)
                 want = torch.empty_like(xs[0])
-                combine_(want, partials, op)
-                finish_(want, op, n)
+                reduction(op, None, dtype, n).fold_(want, parts, list(groups.values()))
                 for pipelined in (True, False):     # segments overlapping, or one after another
                     tr.pipelined = pipelined
                     t, f = xs[rank].clone(), xs[rank].clone()
                     tr.all_reduce(t, op, factor, ctx("all_reduce", t, int(op)))
-                    tr.tcp.all_reduce(f, op, factor, ctx("all_reduce", f, int(op)))
+                    tr.net.all_reduce(f, op, factor, ctx("all_reduce", f, int(op)))
                     if not (torch.equal(t, want) and torch.equal(f, want)):
                         bad.append(f"{keys} all_reduce {numel} {dtype} {op.name} pipelined={pipelined}")
             for case, (N, dtype, op) in enumerate(
@@ -515,17 +509,11 @@ def hier_fake_hosts(rank: int, n: int, layouts: list[list[str]]) -> list[str]:
                       for r in range(n)]
                 factor = 0.37 if op == RedOpType.PREMUL_SUM else None
                 parts = [(x * factor if factor else x)[rank * N:(rank + 1) * N] for x in xs]
-                partials = []
-                for g in groups.values():
-                    acc = torch.empty(N, dtype=dtype)
-                    combine_(acc, [parts[i] for i in g], op)
-                    partials.append(acc)
                 want = torch.empty(N, dtype=dtype)
-                combine_(want, partials, op)
-                finish_(want, op, n)
+                reduction(op, None, dtype, n).fold_(want, parts, list(groups.values()))
                 t, f = torch.empty(N, dtype=dtype), torch.empty(N, dtype=dtype)
                 tr.reduce_scatter(xs[rank].clone(), t, op, factor, ctx("reduce_scatter", t, int(op)))
-                tr.tcp.reduce_scatter(xs[rank].clone(), f, op, factor, ctx("reduce_scatter", f, int(op)))
+                tr.net.reduce_scatter(xs[rank].clone(), f, op, factor, ctx("reduce_scatter", f, int(op)))
                 if not (torch.equal(t, want) and torch.equal(f, want)):
                     bad.append(f"{keys} reduce_scatter {N} {dtype} {op.name}")
             inp = torch.arange(70_001, dtype=torch.float32) + 1e6 * rank
@@ -551,7 +539,7 @@ def _hier_p2p(tr: Any, rank: int, n: int, keys: list[str], ctx: Any) -> list[str
     rank.  Ranks take turns as receivers, so nothing depends on thread scheduling."""
     bad: list[str] = []
     mates = [r for r in range(n) if keys[r] == keys[rank]]
-    local_before = sum(tr.local._sent)
+    local_before = sum(tr.local.mail.sent)
     for dst in range(n):
         for src in range(n):
             if src == dst or rank not in (src, dst):
@@ -565,7 +553,7 @@ def _hier_p2p(tr: Any, rank: int, n: int, keys: list[str], ctx: Any) -> list[str
                 got = torch.empty(size)
                 if tr.recv(got, src, 7, c) != src or not torch.equal(got, t):
                     bad.append(f"{keys} p2p {src}->{dst}")
-    sent_locally = sum(tr.local._sent) - local_before
+    sent_locally = sum(tr.local.mail.sent) - local_before
     if (sent_locally > 0) != (len(mates) > 1):
         bad.append(f"{keys} p2p to host-mates did not use shared memory ({sent_locally} chunks)")
     # any source: rank 0 receives from every other rank, in whatever order they come

@@ -18,11 +18,11 @@ from ringlet.c10d.world import _parse_backend
 from ringlet.errors import DistNetworkError
 from ringlet.testing.procs import raise_first, run_world
 from ringlet.transport import _tcp_wire as wire
-from ringlet.transport._tcp_algos import TcpAlgos, order_free, split_blocks
 from ringlet.transport.arena import SPIN_ITERS, Arena, ArenaLayout, usable_cpus
 from ringlet.transport.hierarchical import HostPlan, plan_hosts, same_kernel
-from ringlet.transport.reduce import RedOpType
+from ringlet.transport.reduce import RedOpType, reduction
 from ringlet.transport.tcp import choose_address
+from ringlet.transport.tcp.algos import Algorithms, order_free, split_blocks
 
 T = 2.0
 
@@ -167,13 +167,15 @@ def test_stranger_bytes_are_refused_without_allocating() -> None:
 @pytest.mark.timeout(30)
 def test_fold_order_is_host_major_across_hosts() -> None:
     xs = [torch.tensor([1e8, 1.0, -1e8], dtype=torch.float32) * (r + 1) + r for r in range(4)]
-    algos = TcpAlgos(None, 0, 4, 1 << 20, ["a", "a", "b", "b"])  # type: ignore[arg-type]
+    algos = Algorithms(None, 0, 4, ["a", "a", "b", "b"])  # type: ignore[arg-type]
+    red = reduction(RedOpType.SUM, None, torch.float32, 4)
+    groups = algos.host_groups([0, 1, 2, 3])
     out = torch.empty(3)
-    algos.fold(out, xs, RedOpType.SUM, [0, 1, 2, 3])
+    red.fold_(out, xs, groups)
     assert torch.equal(out, (xs[0] + xs[1]) + (xs[2] + xs[3]))
     assert algos.host_groups([0, 2]) is None                 # a column: one rank per host
-    assert TcpAlgos(None, 0, 4, 1, ["a"] * 4).host_groups([0, 1, 2, 3]) is None  # type: ignore[arg-type]
-    algos.fold(xs[1], xs, RedOpType.SUM, [0, 1, 2, 3])         # out may alias a part
+    assert Algorithms(None, 0, 4, ["a"] * 4).host_groups([0, 1, 2, 3]) is None  # type: ignore[arg-type]
+    red.fold_(xs[1], xs, groups)                               # out may alias a part
     assert torch.equal(xs[1], out)
 
 

@@ -8,7 +8,7 @@ allocate a sequence number.  A refused call therefore raises on the calling
 rank at once (RELIABILITY C7), nothing reaches a peer, and the group stays
 usable.  What is proven here is what the transports rely on when they
 ``memmove`` to or from ``data_ptr()`` (``arena_algos``) or wrap it in a
-``memoryview`` (``_tcp_moves.mv``):
+``memoryview`` (``tcp.pump.mv``):
 
 - a plain dense tensor (no wrapper subclass such as DTensor, no meta, sparse,
   quantized, mkldnn or nested tensor) on a device the transport serves, of a

@@ -1,18 +1,19 @@
-"""Collective and point-to-point algorithms over an :class:`~ringlet.transport.arena.Arena`.
+"""Collective algorithms over an :class:`~ringlet.transport.arena.Arena` (``shm``, ``inproc``).
 
 See [Note: arena protocol] in ``arena.py``.  Every collective is a sequence of
-rounds; large tensors stream through the slots in chunks of ``slot_bytes``.
-At the sizes and rank counts of one host (2-8 ranks) the "direct" algorithm --
-every rank reads every slot and reduces in rank order -- needs one flag wait
-per chunk and beat reduce-scatter + all-gather in the measurements recorded in
-DESIGN.md (16 us vs 46 us at 8 B, 2 ranks).  Reducing in rank order on every
-rank makes the results bit-identical across ranks.
+rounds; large tensors stream through the slots in chunks of ``slot_bytes``
+(:func:`~ringlet.transport.base.chunks`).  At the sizes and rank counts of one
+host (2-8 ranks) the "direct" algorithm -- every rank reads every slot and
+reduces in rank order -- needs one flag wait per chunk and beat reduce-scatter +
+all-gather when measured (16 us vs 46 us at 8 B, 2 ranks; see
+docs/architecture.md#shared-memory-transport).  Reducing in rank order on every
+rank makes the results bit-identical across ranks ([Note: reductions]).
+Point-to-point messages use the pair mailboxes (``arena_p2p``).
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
 from typing import Any, cast
 
 import numpy as np
@@ -20,67 +21,40 @@ import torch
 
 from ringlet import _env
 from ringlet.errors import CollectiveMismatchError, DistBackendError
-from ringlet.transport.arena import C_DEPARTED, C_DONE, C_ENTERED, C_PID, SLOT_HDR, Arena
-from ringlet.transport.base import OpContext, Transport, describe_fingerprint
-from ringlet.transport.reduce import RedOpType, combine_, finish_, prepare_contribution
+from ringlet.transport.arena import C_DEPARTED, C_DONE, C_ENTERED, C_PID, Arena
+from ringlet.transport.arena_p2p import Mailboxes
+from ringlet.transport.base import (
+    OpContext,
+    Ranks,
+    ReduceArg,
+    Transport,
+    chunks,
+    describe_fingerprint,
+    whole_group,
+)
+from ringlet.transport.reduce import NP_DTYPES, Reduction, reads_first, reduction
 
 __all__ = ["FAST_BYTES", "ArenaTransport"]
 
 # Messages up to FAST_BYTES take the small-message path: ctypes.memmove in and out of the
-# arena and numpy ufuncs for the reduction.  torch ops cost 3-6 us each in fixed overhead
+# arena and the numpy kernel for the reduction.  torch ops cost 3-6 us each in fixed overhead
 # here (measured on this 2-core machine), numpy ~1 us: that is the difference between
 # ~90 us and ~15 us for an 8-byte all_reduce.
 FAST_BYTES = 16 * 1024
 _memmove = ctypes.memmove
-_NP_DTYPES: dict[torch.dtype, type] = {
-    torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64, torch.int32: np.int32,
-    torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_,
-}
-try:   # numpy's own errstate costs ~3 us a call; setting its context variable directly ~0.2 us
-    from numpy._core.umath import _extobj_contextvar, _make_extobj
-
-    _QUIET = _make_extobj(all="ignore")
-
-    def _quiet() -> object:
-        return _extobj_contextvar.set(_QUIET)
-
-    def _loud(token: object) -> None:
-        _extobj_contextvar.reset(token)   # type: ignore[arg-type]
-except ImportError:  # pragma: no cover - other numpy versions
-    def _quiet() -> object:
-        state = np.errstate(all="ignore")
-        state.__enter__()
-        return state
-
-    def _loud(token: object) -> None:
-        token.__exit__(None, None, None)  # type: ignore[attr-defined]
-
 _FAST_CACHE_MAX = 256
-_UFUNCS = {
-    RedOpType.SUM: np.add, RedOpType.AVG: np.add, RedOpType.PRODUCT: np.multiply,
-    RedOpType.MIN: np.minimum, RedOpType.MAX: np.maximum, RedOpType.BAND: np.bitwise_and,
-    RedOpType.BOR: np.bitwise_or, RedOpType.BXOR: np.bitwise_xor,
-}
+_Views = tuple[list[np.ndarray], list[np.ndarray], np.ndarray]
 
 
-def _foldable_in_place(fi: torch.Tensor, fo: torch.Tensor, me: int, n: int, N: int) -> bool:
+def _foldable_in_place(fi: torch.Tensor, fo: torch.Tensor, me: int, N: int) -> bool:
     """Whether reduce-scatter may fold block ``me`` of ``fi`` straight into ``fo``: they do not
-    overlap, or ``fo`` *is* that block and it comes first in the fold (or is one of two)."""
+    overlap, or ``fo`` *is* that block and the fold reads it before writing (``reads_first``)."""
     size = fo.element_size()
     lo, hi = fi.data_ptr(), fi.data_ptr() + fi.numel() * size
     olo, ohi = fo.data_ptr(), fo.data_ptr() + N * size
     if ohi <= lo or olo >= hi:
         return True
-    return olo == lo + me * N * size and (me == 0 or n == 2)
-
-
-def _chunks(total: int, cap: int) -> Iterator[tuple[int, int, int]]:
-    """(index, offset, count) pieces of ``total`` items, at least one (a 0-item round still syncs)."""
-    if total <= cap:
-        yield 0, 0, total
-        return
-    for k, off in enumerate(range(0, total, cap)):
-        yield k, off, min(cap, total - off)
+    return olo == lo + me * N * size and reads_first(me)
 
 
 class ArenaTransport(Transport):
@@ -95,39 +69,32 @@ class ArenaTransport(Transport):
         n = self.world_size
         self.q = arena.q
         self._hdr_i = [[lay.slot_hdr_off(r, b) // 8 for b in (0, 1)] for r in range(n)]
-        self._sent = [0] * n     # mailbox chunks this rank posted to each peer
-        self._recvd = [0] * n    # mailbox chunks this rank consumed from each peer
-        self._flag_me = arena.flag_i[self.rank]
         self._ranks = list(range(n))
+        self._flag_me = arena.flag_i[self.rank]
         self._verify = _env.fingerprint_checks()
         self._peer_hdr = [[self._hdr_i[r][b] for r in arena.peers] for b in (0, 1)]
         self._entered_i = arena.ctrl(self.rank, C_ENTERED)
         self._done_i = arena.ctrl(self.rank, C_DONE)
         base = arena.u8.data_ptr()
         self._slot_addr = [[base + lay.slot_data_off(r, b) for b in (0, 1)] for r in range(n)]
-        self._fast: dict[tuple[torch.dtype, int], tuple[list[np.ndarray], list[np.ndarray], np.ndarray]] = {}
+        self._fast: dict[tuple[torch.dtype, int, int], _Views] = {}
         self._scratch = np.empty(FAST_BYTES // 8, dtype=np.float64)
         self._scratch_addr = self._scratch.ctypes.data
         self._fast_ok = lay.slot_bytes >= FAST_BYTES
-        # (dtype, op) pairs the small-message path serves: numpy dtypes, AVG on floats only.
-        self._fast_combos = {(d, o) for d in _NP_DTYPES for o in _UFUNCS
-                             if o != RedOpType.AVG or d.is_floating_point} if self._fast_ok else set()
+        self.mail = Mailboxes(arena)
 
-    def _fast_views(self, dtype: torch.dtype, k: int) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-        """numpy views of the first ``k`` elements of every slot (buffer 0, buffer 1) and of the scratch.
-
-        Cached per (dtype, k): training loops repeat the same sizes, and slicing costs ~0.3 us.
-        """
-        views = self._fast.get((dtype, k))
+    def _views(self, dtype: torch.dtype, k: int, off: int) -> _Views:
+        """numpy views of ``k`` elements at byte ``off`` of every slot (buffer 0, buffer 1) and of
+        the scratch.  Cached: training loops repeat the same sizes, and slicing costs ~0.3 us."""
+        views = self._fast.get((dtype, k, off))
         if views is None:
             if len(self._fast) >= _FAST_CACHE_MAX:
                 self._fast.clear()
-            npdt = np.dtype(_NP_DTYPES[dtype])
+            npdt = np.dtype(NP_DTYPES[dtype])
             lay, mem = self.arena.layout, cast(Any, self.arena.memory)
-            b0 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 0)) for r in self._ranks]
-            b1 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 1)) for r in self._ranks]
-            views = (b0, b1, self._scratch.view(npdt)[:k])
-            self._fast[(dtype, k)] = views
+            b0 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 0) + off) for r in self._ranks]
+            b1 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 1) + off) for r in self._ranks]
+            views = self._fast[(dtype, k, off)] = (b0, b1, self._scratch.view(npdt)[:k])
         return views
 
     # -- round machinery -----------------------------------------------------------
@@ -159,8 +126,15 @@ class ArenaTransport(Transport):
         return ctx.error(CollectiveMismatchError,
                          "ranks called different collectives: " + "; ".join(calls), calls=calls)
 
-    def _enter(self, ctx: OpContext) -> None:
+    def _alone(self, ctx: OpContext, ranks: Ranks) -> bool:
+        """The prologue of every collective: True for a group of one (the caller finishes locally);
+        otherwise record that this rank entered ``ctx`` (for timeout reports)."""
+        if ranks is not None:
+            whole_group(self, ranks)
+        if self.world_size == 1:
+            return True
         self.q[self._entered_i] = ctx.seq
+        return False
 
     def _done(self, ctx: OpContext) -> None:
         self.q[self._done_i] = ctx.seq
@@ -168,52 +142,47 @@ class ArenaTransport(Transport):
     def _cap(self, dtype: torch.dtype) -> int:
         return self.arena.layout.slot_bytes // dtype.itemsize
 
-    # -- collectives -----------------------------------------------------------------
-    def all_reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, ctx: OpContext) -> None:
-        self._reduce_common(buf, op, factor, None, ctx)
+    # -- reductions ------------------------------------------------------------------
+    def all_reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, ctx: OpContext,
+                   ranks: Ranks = None) -> None:
+        self._reduce(buf, reduction(op, factor, buf.dtype, self.world_size), None, ctx, ranks)
 
-    def reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, root: int,
-               ctx: OpContext) -> None:
-        self._reduce_common(buf, op, factor, root, ctx)
+    def reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, root: int,
+               ctx: OpContext, ranks: Ranks = None) -> None:
+        self._reduce(buf, reduction(op, factor, buf.dtype, self.world_size), root, ctx, ranks)
 
-    def _reduce_common(self, buf: torch.Tensor, op: RedOpType, factor: float | None,
-                       root: int | None, ctx: OpContext) -> None:
-        n, me, a = self.world_size, self.rank, self.arena
-        if n == 1:
-            if op == RedOpType.PREMUL_SUM:
-                buf.mul_(1.0 if factor is None else factor)
+    def _reduce(self, buf: torch.Tensor, red: Reduction, root: int | None, ctx: OpContext,
+                ranks: Ranks) -> None:
+        if self._alone(ctx, ranks):
+            red.contribute(buf, buf)
             return
-        dt = buf.dtype
-        self.q[self._entered_i] = ctx.seq
         k = buf.numel()
-        nbytes = k * dt.itemsize
-        if nbytes <= FAST_BYTES and (dt, op) in self._fast_combos:
-            self._small_reduce(buf, op, root, ctx, k, nbytes)
+        nbytes = k * buf.element_size()
+        if nbytes <= FAST_BYTES and red.ufunc is not None and self._fast_ok:
+            self._small_reduce(buf, red, root, ctx, k, nbytes)
             self.q[self._done_i] = ctx.seq
             return
+        me, a, dt = self.rank, self.arena, buf.dtype
         flat = buf.view(-1)
         fp = ctx.fingerprint()
         whole = flat.numel()
-        # With two ranks every op is commutative, so each rank may fold the peer's slot into its
-        # own tensor in place (one read less per element); beyond two, all reduce in rank order.
-        in_place = n == 2 and op != RedOpType.PREMUL_SUM
-        for k, off, c in _chunks(whole, self._cap(dt)):
+        own = red.exact and reads_first(me)    # fold this rank's input in place, not its slot copy
+        for k, (off, c) in enumerate(chunks(whole, self._cap(dt))):
             s = self.step + 1
             b = s & 1
             piece = flat if c == whole else flat[off:off + c]
-            prepare_contribution(piece, a.slot(me, b, dt)[:c], op, factor)
+            red.contribute(piece, a.slot(me, b, dt)[:c])
             self._sync(s, fp, k, ctx)
             if root is None or root == me:
-                if in_place:
-                    combine_(piece, [piece, a.slot(1 - me, b, dt)[:c]], op)
-                else:
-                    combine_(piece, [a.slot(r, b, dt)[:c] for r in self._ranks], op)
-                finish_(piece, op, n)
+                parts = [a.slot(r, b, dt)[:c] for r in self._ranks]
+                if own:
+                    parts[me] = piece
+                red.fold_(piece, parts)
         self._done(ctx)
 
-    def _small_reduce(self, buf: torch.Tensor, op: RedOpType, root: int | None, ctx: OpContext,
+    def _small_reduce(self, buf: torch.Tensor, red: Reduction, root: int | None, ctx: OpContext,
                       k: int, nbytes: int) -> None:
-        """One round: memmove in, flag, numpy reduce in rank order into scratch, memmove out."""
+        """One round: memmove in, flag, numpy fold in rank order into scratch, memmove out."""
         s = self.step + 1
         b = s & 1
         ptr = buf.data_ptr()
@@ -221,26 +190,61 @@ class ArenaTransport(Transport):
         self._sync(s, ctx.fingerprint(), 0, ctx)
         if root is not None and root != self.rank:
             return
-        views = self._fast.get((buf.dtype, k)) or self._fast_views(buf.dtype, k)
-        slots = views[b]
-        out = views[2]
-        ufunc = _UFUNCS[op]
-        token = _quiet()    # overflow to inf is a result, as in torch, not a warning
-        try:
-            ufunc(slots[0], slots[1], out=out)
-            for r in range(2, self.world_size):
-                ufunc(out, slots[r], out=out)
-            if op == RedOpType.AVG:
-                np.divide(out, self.world_size, out=out)
-        finally:
-            _loud(token)
+        views = self._fast.get((buf.dtype, k, 0)) or self._views(buf.dtype, k, 0)
+        red.np_fold(views[2], views[b])
         _memmove(ptr, self._scratch_addr, nbytes)
 
-    def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext) -> None:
-        if self.world_size == 1:
+    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: ReduceArg,
+                       factor: float | None, ctx: OpContext, ranks: Ranks = None) -> None:
+        fo, fi = out.view(-1), inp.view(-1)
+        n, me, a = self.world_size, self.rank, self.arena
+        red = reduction(op, factor, fo.dtype, n)
+        if self._alone(ctx, ranks):
+            red.contribute(fi, fo)
+            return
+        N = fo.numel()
+        dt = fo.dtype
+        nbytes = N * fo.element_size()
+        if self._fast_ok and nbytes * n <= FAST_BYTES and red.ufunc is not None:
+            self._small_reduce_scatter(fi, fo, red, nbytes, ctx)
+            self._done(ctx)
+            return
+        fp = ctx.fingerprint()
+        sub = self._cap(dt) // n
+        # Only this rank reads its own block: fold it from the input instead of a copy in the
+        # arena when that copy would be exact and folding cannot overwrite it before it is read.
+        own = red.exact and _foldable_in_place(fi, fo, me, N)
+        for k, (off, c) in enumerate(chunks(N, sub)):
+            s = self.step + 1
+            b = s & 1
+            mine = a.slot(me, b, dt)
+            for r in self._ranks:
+                if r != me or not own:
+                    red.contribute(fi[r * N + off:r * N + off + c], mine[r * sub:r * sub + c])
+            self._sync(s, fp, k, ctx)
+            parts = [a.slot(r, b, dt)[me * sub:me * sub + c] for r in self._ranks]
+            if own:
+                parts[me] = fi[me * N + off:me * N + off + c]
+            red.fold_(fo[off:off + c], parts)
+        self._done(ctx)
+
+    def _small_reduce_scatter(self, fi: torch.Tensor, fo: torch.Tensor, red: Reduction, nbytes: int,
+                              ctx: OpContext) -> None:
+        """Whole input into this rank's slot in one memmove; fold block ``rank`` of every slot."""
+        me = self.rank
+        s = self.step + 1
+        b = s & 1
+        _memmove(self._slot_addr[me][b], fi.data_ptr(), nbytes * self.world_size)
+        self._sync(s, ctx.fingerprint(), 0, ctx)
+        views = self._views(fo.dtype, fo.numel(), me * nbytes)
+        red.np_fold(views[2], views[b])
+        _memmove(fo.data_ptr(), self._scratch_addr, nbytes)
+
+    # -- data movement ---------------------------------------------------------------
+    def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext, ranks: Ranks = None) -> None:
+        if self._alone(ctx, ranks):
             return
         me, a = self.rank, self.arena
-        self._enter(ctx)
         fp = ctx.fingerprint()
         nbytes = buf.numel() * buf.element_size()
         if nbytes <= FAST_BYTES and self._fast_ok:
@@ -254,7 +258,7 @@ class ArenaTransport(Transport):
             return
         flat = buf.view(-1)
         dt = flat.dtype
-        for k, off, c in _chunks(flat.numel(), self._cap(dt)):
+        for k, (off, c) in enumerate(chunks(flat.numel(), self._cap(dt))):
             s = self.step + 1
             b = s & 1
             if me == root:
@@ -264,31 +268,31 @@ class ArenaTransport(Transport):
                 flat[off:off + c].copy_(a.slot(root, b, dt)[:c])
         self._done(ctx)
 
-    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext) -> None:
-        self._gather_common(inp, out, None, ctx)
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext, ranks: Ranks = None) -> None:
+        self._gather(inp, out, None, ctx, ranks)
 
-    def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext) -> None:
-        self._gather_common(inp, out, root, ctx)
+    def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext,
+               ranks: Ranks = None) -> None:
+        self._gather(inp, out, root, ctx, ranks)
 
-    def _gather_common(self, inp: torch.Tensor, out: torch.Tensor | None, root: int | None,
-                       ctx: OpContext) -> None:
+    def _gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int | None, ctx: OpContext,
+                ranks: Ranks) -> None:
         fi = inp.view(-1)
         fo = out.view(-1) if out is not None else None
-        n, me, a = self.world_size, self.rank, self.arena
+        me, a = self.rank, self.arena
         N = fi.numel()
-        if n == 1:
+        if self._alone(ctx, ranks):
             if fo is not None:
                 fo.copy_(fi)
             return
-        self._enter(ctx)
-        fp = ctx.fingerprint()
         dt = fi.dtype
         nbytes = N * fi.element_size()
         if nbytes <= FAST_BYTES and self._fast_ok:
             self._small_gather(fi, fo, nbytes, ctx)
             self._done(ctx)
             return
-        for k, off, c in _chunks(N, self._cap(dt)):
+        fp = ctx.fingerprint()
+        for k, (off, c) in enumerate(chunks(N, self._cap(dt))):
             s = self.step + 1
             b = s & 1
             a.slot(me, b, dt)[:c].copy_(fi[off:off + c])
@@ -312,20 +316,20 @@ class ArenaTransport(Transport):
             for r in self._ranks:
                 _memmove(dst + r * nbytes, src if r == self.rank else self._slot_addr[r][b], nbytes)
 
-    def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext) -> None:
+    def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext,
+                ranks: Ranks = None) -> None:
         fo = out.view(-1)
         fi = inp.view(-1) if inp is not None else None
         n, me, a = self.world_size, self.rank, self.arena
         N = fo.numel()
-        if n == 1:
+        if self._alone(ctx, ranks):
             if fi is not None:
                 fo.copy_(fi)
             return
-        self._enter(ctx)
         fp = ctx.fingerprint()
         dt = fo.dtype
         sub = self._cap(dt) // n
-        for k, off, c in _chunks(N, sub):
+        for k, (off, c) in enumerate(chunks(N, sub)):
             s = self.step + 1
             b = s & 1
             if fi is not None:
@@ -336,103 +340,18 @@ class ArenaTransport(Transport):
             fo[off:off + c].copy_(a.slot(root, b, dt)[me * sub:me * sub + c])
         self._done(ctx)
 
-    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: RedOpType,
-                       factor: float | None, ctx: OpContext) -> None:
-        fo, fi = out.view(-1), inp.view(-1)
-        n, me, a = self.world_size, self.rank, self.arena
-        N = fo.numel()
-        if n == 1:
-            prepare_contribution(fi, fo, op, factor)
-            return
-        self._enter(ctx)
-        fp = ctx.fingerprint()
-        dt = fo.dtype
-        nbytes = N * fo.element_size()
-        if (self._fast_ok and nbytes * n <= FAST_BYTES and dt in _NP_DTYPES and op in _UFUNCS
-                and (op != RedOpType.AVG or dt.is_floating_point)):
-            self._small_reduce_scatter(fi, fo, op, nbytes, ctx)
-            self._done(ctx)
-            return
-        sub = self._cap(dt) // n
-        # Only this rank reads its own block: fold it from the input instead of a copy in the
-        # arena when that copy would be exact and folding cannot overwrite it before it is read.
-        own_direct = op != RedOpType.PREMUL_SUM and _foldable_in_place(fi, fo, me, n, N)
-        for k, off, c in _chunks(N, sub):
-            s = self.step + 1
-            b = s & 1
-            mine = a.slot(me, b, dt)
-            for r in self._ranks:
-                if r != me or not own_direct:
-                    prepare_contribution(fi[r * N + off:r * N + off + c], mine[r * sub:r * sub + c], op, factor)
-            self._sync(s, fp, k, ctx)
-            piece = fo[off:off + c]
-            parts = [a.slot(r, b, dt)[me * sub:me * sub + c] for r in self._ranks]
-            if own_direct:
-                parts[me] = fi[me * N + off:me * N + off + c]
-            combine_(piece, parts, op)
-            finish_(piece, op, n)
-        self._done(ctx)
-
-    def _small_reduce_scatter(self, fi: torch.Tensor, fo: torch.Tensor, op: RedOpType, nbytes: int,
-                              ctx: OpContext) -> None:
-        """Whole input into this rank's slot in one memmove; reduce block ``rank`` of every slot."""
-        n, me = self.world_size, self.rank
-        s = self.step + 1
-        b = s & 1
-        _memmove(self._slot_addr[me][b], fi.data_ptr(), nbytes * n)
-        self._sync(s, ctx.fingerprint(), 0, ctx)
-        k = fo.numel()
-        key = (fo.dtype, -k)          # negative k: the block-``rank`` views of reduce_scatter
-        views = self._fast.get(key)
-        if views is None:
-            if len(self._fast) >= _FAST_CACHE_MAX:
-                self._fast.clear()
-            npdt = np.dtype(_NP_DTYPES[fo.dtype])
-            lay, mem = self.arena.layout, cast(Any, self.arena.memory)
-            b0 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 0) + me * nbytes) for r in self._ranks]
-            b1 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 1) + me * nbytes) for r in self._ranks]
-            views = self._fast[key] = (b0, b1, self._scratch.view(npdt)[:k])
-        slots = views[1] if b else views[0]
-        out = views[2]
-        ufunc = _UFUNCS[op]
-        token = _quiet()
-        try:
-            ufunc(slots[0], slots[1], out=out)
-            for r in range(2, n):
-                ufunc(out, slots[r], out=out)
-            if op == RedOpType.AVG:
-                np.divide(out, n, out=out)
-        finally:
-            _loud(token)
-        _memmove(fo.data_ptr(), self._scratch_addr, nbytes)
-
     def all_to_all(self, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
-                   out_splits: list[int], ctx: OpContext) -> None:
+                   out_splits: list[int], ctx: OpContext, ranks: Ranks = None) -> None:
         n, me, a = self.world_size, self.rank, self.arena
         fi, fo = inp.view(-1), out.view(-1)
-        if n == 1:
+        if self._alone(ctx, ranks):
             fo.copy_(fi)
             return
-        self._enter(ctx)
         fp = ctx.fingerprint()
-        # Round 0: every rank publishes its split table; all check that rank r sends to j
-        # exactly what j expects from r, so bytes are never misread.
-        s = self.step + 1
-        table = a.slot(me, s & 1, torch.int64)
-        table[:2 * n].copy_(torch.tensor(list(in_splits) + list(out_splits), dtype=torch.int64))
-        self._sync(s, fp, 0, ctx)
-        sends = [a.slot(r, s & 1, torch.int64)[:n].tolist() for r in self._ranks]
-        for r in self._ranks:
-            expect = a.slot(r, s & 1, torch.int64)[n:2 * n].tolist()
-            for j in self._ranks:
-                if sends[j][r] != expect[j]:
-                    raise ctx.error(CollectiveMismatchError,
-                                    f"all_to_all split sizes disagree: rank {j} sends {sends[j][r]} bytes "
-                                    f"to rank {r}, which expects {expect[j]}")
+        biggest = self._check_splits(in_splits, out_splits, fp, ctx)
         in_off = [sum(in_splits[:j]) for j in range(n)]
         out_off = [sum(out_splits[:j]) for j in range(n)]
         sub = (a.layout.slot_bytes // n) // 64 * 64
-        biggest = max(max(row) for row in sends)
         rounds = max(1, -(-biggest // sub))
         for k in range(rounds):
             s = self.step + 1
@@ -451,71 +370,46 @@ class ArenaTransport(Transport):
                     fo[out_off[r] + lo:out_off[r] + lo + c].copy_(a.slot(r, b, torch.uint8)[me * sub:me * sub + c])
         self._done(ctx)
 
-    def barrier(self, ctx: OpContext) -> None:
-        if self.world_size == 1:
+    def _check_splits(self, in_splits: list[int], out_splits: list[int], fp: tuple[int, int, int],
+                      ctx: OpContext) -> int:
+        """Round 0 of all_to_all: every rank publishes its split table; all check that rank r
+        sends to j exactly what j expects from r, so bytes are never misread.  Returns the
+        largest split of any rank (every rank then runs the same number of rounds)."""
+        n, a = self.world_size, self.arena
+        s = self.step + 1
+        table = a.slot(self.rank, s & 1, torch.int64)
+        table[:2 * n].copy_(torch.tensor(list(in_splits) + list(out_splits), dtype=torch.int64))
+        self._sync(s, fp, 0, ctx)
+        sends = [a.slot(r, s & 1, torch.int64)[:n].tolist() for r in self._ranks]
+        for r in self._ranks:
+            expect = a.slot(r, s & 1, torch.int64)[n:2 * n].tolist()
+            for j in self._ranks:
+                if sends[j][r] != expect[j]:
+                    raise ctx.error(CollectiveMismatchError,
+                                    f"all_to_all split sizes disagree: rank {j} sends {sends[j][r]} bytes "
+                                    f"to rank {r}, which expects {expect[j]}")
+        return max(max(row) for row in sends)
+
+    def barrier(self, ctx: OpContext, ranks: Ranks = None) -> None:
+        if self._alone(ctx, ranks):
             return
-        self._enter(ctx)
         self._sync(self.step + 1, ctx.fingerprint(), 0, ctx)
         self._done(ctx)
 
-    # -- point to point --------------------------------------------------------------
-    def _pair_i(self, src: int, dst: int) -> tuple[int, int]:
-        off = self.arena.layout.pair_off(src, dst) // 8
-        return off, off + 8   # (sent counter written by src, acked counter written by dst)
-
+    # -- point to point (the pair mailboxes) -----------------------------------------
     def send(self, buf: torch.Tensor, dst: int, tag: int, ctx: OpContext) -> None:
-        a, q = self.arena, self.q
-        data = buf.reshape(-1).view(torch.uint8)
-        nbytes = data.numel()
-        sent_i, acked_i = self._pair_i(self.rank, dst)
-        for k, off, c in _chunks(nbytes, a.layout.p2p_bytes):
-            m = self._sent[dst] + 1
-            b = m & 1
-            a.wait_ge([acked_i], [dst], m - 2, ctx)
-            a.mailbox(self.rank, dst, b)[:c].copy_(data[off:off + c])
-            h = a.layout.mailbox_hdr_off(self.rank, dst, b) // 8
-            q[h + 1], q[h + 2], q[h + 3], q[h + 4], q[h + 5] = tag, nbytes, k, c, ctx.seq
-            q[h] = m
-            q[sent_i] = m
-            self._sent[dst] = m
+        self.mail.send(buf, dst, tag, ctx)
 
     def recv(self, buf: torch.Tensor, src: int | None, tag: int, ctx: OpContext) -> int:
-        a, q = self.arena, self.q
-        if src is None:
-            src = self._wait_any_source(ctx)
-        data = buf.reshape(-1).view(torch.uint8)
-        nbytes = data.numel()
-        sent_i, acked_i = self._pair_i(src, self.rank)
-        for k, off, c in _chunks(nbytes, a.layout.p2p_bytes):
-            m = self._recvd[src] + 1
-            b = m & 1
-            a.wait_ge([sent_i], [src], m, ctx)
-            h = a.layout.mailbox_hdr_off(src, self.rank, b) // 8
-            got = (q[h + 1], q[h + 2], q[h + 3], q[h + 4])
-            if got != (tag, nbytes, k, c):
-                raise ctx.error(CollectiveMismatchError,
-                                f"rank {src} sent a message of {got[1]} bytes with tag {got[0]}, but rank "
-                                f"{self.rank} expected {nbytes} bytes with tag {tag}", peer=src)
-            data[off:off + c].copy_(a.mailbox(src, self.rank, b)[:c])
-            q[acked_i] = m
-            self._recvd[src] = m
-        return src
+        return self.mail.recv(buf, src, tag, ctx)
 
     def pending_source(self) -> int | None:
-        """The lowest rank with a message chunk this rank has not consumed yet (no waiting)."""
-        q = self.q
-        for r in self.arena.peers:
-            if q[self._pair_i(r, self.rank)[0]] > self._recvd[r]:
-                return r
-        return None
-
-    def _wait_any_source(self, ctx: OpContext) -> int:
-        peers = self.arena.peers
-        idx = [self._pair_i(r, self.rank)[0] for r in peers]
-        k = self.arena.wait_any_gt(idx, peers, [self._recvd[r] for r in peers], ctx)
-        return peers[k]
+        return self.mail.pending_source()
 
     # -- lifecycle -------------------------------------------------------------------
+    def share_cpus(self, busy_ranks: int) -> None:
+        self.arena.share_cpus(busy_ranks)
+
     def wait_stats(self) -> tuple[float, dict[int, float]]:
         return self.arena.wait_s, dict(self.arena.late_s)
 
@@ -527,7 +421,3 @@ class ArenaTransport(Transport):
 
     def peer_id(self, rank: int) -> int:
         return self.q[self.arena.ctrl(rank, C_PID)]
-
-
-# SLOT_HDR is re-exported for backings that lay out extra headers.
-_ = SLOT_HDR

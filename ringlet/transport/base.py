@@ -3,24 +3,39 @@
 A transport knows its ranks and nothing of groups' semantics: argument checks,
 sequence numbers, ordering, debug fingerprints and error policy live once, in
 the process-group layer (``ringlet.c10d``), which hands every call an
-:class:`OpContext`.  All tensors given to a transport are contiguous CPU
-tensors; outputs are written in place.
+:class:`OpContext`.  All tensors given to a transport are contiguous tensors of
+the devices it serves; outputs are written in place.  Reductions are resolved
+by ``ringlet.transport.reduce`` ([Note: reductions]); pieces of large tensors
+are cut by :func:`chunks`.
+
+[Note: rank subsets]
+A collective may run over part of the group (``ranks=``: the group ranks taking
+part, in order; only they call).  Roots and block order then index into
+``ranks``, and a reduction folds in that order.  This is how one transport is
+composed from two (``hierarchical``: a reduction among the hosts runs over one
+rank per host).  Transports that cannot do it (``subsets = False``) raise
+``NotImplementedError`` for a proper subset.
 """
 
 from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from ringlet.errors import DistError
-from ringlet.transport.reduce import RedOpType
+from ringlet.transport.reduce import RedOpType, Reduction
 
 _E = TypeVar("_E", bound=DistError)
 
-__all__ = ["CODE_DTYPES", "DTYPE_CODES", "OPCODES", "OpContext", "Transport"]
+__all__ = ["CODE_DTYPES", "DTYPE_CODES", "OPCODES", "OpContext", "Ranks", "ReduceArg", "Transport", "chunks",
+           "whole_group"]
+
+ReduceArg = RedOpType | Reduction    # a reduce op (with a factor for PREMUL_SUM), or a resolved one
+Ranks = Sequence[int] | None         # a subset of the group's ranks ([Note: rank subsets])
 
 # Operation codes carried in fingerprints (stable: they cross process boundaries).
 OPCODES: dict[str, int] = {
@@ -115,7 +130,8 @@ class OpContext:
         return time.monotonic() - self.started
 
     def error(self, cls: type[_E], what: str, **extra: Any) -> _E:
-        """Build an error carrying the error-message contract's fields (RELIABILITY.md)."""
+        """Build an error carrying the fields every error message promises (who, what, when: see
+        docs/reliability.md#error-messages)."""
         msg = (f"[rank {self.rank}/{self.world_size}] group {self.group}: {self.describe()}: {what} "
                f"(elapsed {self.elapsed():.2f} s, timeout {self.timeout:.1f} s)")
         return cls(msg, rank=self.rank, world_size=self.world_size, group=self.group, op=self.op,
@@ -139,51 +155,76 @@ def describe_fingerprint(fp: tuple[int, int, int]) -> str:
     return " ".join(parts)
 
 
+def chunks(total: int, cap: int) -> list[tuple[int, int]]:
+    """(offset, count) pieces of at most ``cap`` items covering ``total``, in order; one empty
+    piece when ``total`` is 0, so that an empty message is still one round or one frame and the
+    ranks stay in step.  The one chunker of every transport.
+
+    Example::
+
+        >>> chunks(10, 4), chunks(0, 4)
+        ([(0, 4), (4, 4), (8, 2)], [(0, 0)])
+    """
+    if total <= cap:
+        return [(0, total)]
+    cap = max(cap, 1)
+    return [(o, min(cap, total - o)) for o in range(0, total, cap)]
+
+
 class Transport(abc.ABC):
-    """Moves and reduces the bytes of contiguous tensors among ``world_size`` ranks."""
+    """Moves and reduces the bytes of contiguous tensors among ``world_size`` ranks.
+
+    Reducing calls take ``op`` (a :class:`RedOpType`, with ``factor`` for PREMUL_SUM, or an
+    already resolved :class:`Reduction`, ``factor`` None); collectives take ``ranks``
+    ([Note: rank subsets]).
+    """
 
     name: str = "?"
     rank: int
     world_size: int
     devices: tuple[str, ...] = ("cpu",)   # device types whose tensors this transport serves
+    subsets: bool = False                 # runs collectives over a subset of its ranks
 
     @abc.abstractmethod
-    def all_reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, ctx: OpContext) -> None:
+    def all_reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, ctx: OpContext,
+                   ranks: Ranks = None) -> None:
         """Reduce ``buf`` across ranks, result in ``buf`` on every rank."""
 
     @abc.abstractmethod
-    def reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, root: int,
-               ctx: OpContext) -> None:
+    def reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, root: int,
+               ctx: OpContext, ranks: Ranks = None) -> None:
         """Reduce ``buf`` across ranks into ``buf`` on ``root``; others' ``buf`` unchanged."""
 
     @abc.abstractmethod
-    def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext) -> None:
+    def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext, ranks: Ranks = None) -> None:
         """Copy root's ``buf`` into everyone's ``buf``."""
 
     @abc.abstractmethod
-    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext) -> None:
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext, ranks: Ranks = None) -> None:
         """``out`` (world_size * inp.numel elements) receives every rank's ``inp`` in rank order."""
 
     @abc.abstractmethod
-    def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext) -> None:
+    def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext,
+               ranks: Ranks = None) -> None:
         """Like all_gather but only ``root`` receives (``out`` is None elsewhere)."""
 
     @abc.abstractmethod
-    def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext) -> None:
+    def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext,
+                ranks: Ranks = None) -> None:
         """Root's ``inp`` (world_size * out.numel elements) is split in rank order."""
 
     @abc.abstractmethod
-    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: RedOpType,
-                       factor: float | None, ctx: OpContext) -> None:
+    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: ReduceArg,
+                       factor: float | None, ctx: OpContext, ranks: Ranks = None) -> None:
         """Block ``r`` of every rank's ``inp`` is reduced into rank ``r``'s ``out``."""
 
     @abc.abstractmethod
     def all_to_all(self, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
-                   out_splits: list[int], ctx: OpContext) -> None:
+                   out_splits: list[int], ctx: OpContext, ranks: Ranks = None) -> None:
         """Byte-level all-to-all: ``inp`` (uint8) holds ``in_splits[j]`` bytes for rank j, in order."""
 
     @abc.abstractmethod
-    def barrier(self, ctx: OpContext) -> None:
+    def barrier(self, ctx: OpContext, ranks: Ranks = None) -> None:
         """Return once every rank has entered the barrier."""
 
     @abc.abstractmethod
@@ -194,8 +235,36 @@ class Transport(abc.ABC):
     def recv(self, buf: torch.Tensor, src: int | None, tag: int, ctx: OpContext) -> int:
         """Receive into ``buf`` from ``src`` (None: any rank); returns the source rank."""
 
+    # -- receiving from any rank of two transports at once (``hierarchical``) ------------------
+    def pending_source(self) -> int | None:
+        """The lowest rank whose next message has arrived (or is arriving); never waits."""
+        raise NotImplementedError(f"{type(self).__name__} cannot look for pending messages")
+
+    def watch_any_source(self, delta: int) -> None:
+        """A receive from any rank that polls :meth:`pending_source` starts (+1) or ends (-1)."""
+
+    def check_any_source(self, ctx: OpContext) -> None:
+        """Raise if a receive from any rank cannot succeed here (aborted, destroyed, nobody left)."""
+
+    # -- hints, statistics, lifecycle -----------------------------------------------------------
+    def share_cpus(self, busy_ranks: int) -> None:
+        """``busy_ranks`` of the job's ranks share this process's CPUs (its own transport's and
+        others', e.g. simulated hosts on one machine): a transport that spins may stop spinning."""
+
+    def wait_stats(self) -> tuple[float, dict[int, float]]:
+        """Seconds spent waiting for peers, in total and per rank that arrived last."""
+        return 0.0, {}
+
     def abort(self, reason: str) -> None:
         """Poison the transport so that every rank's pending and later calls fail fast."""
 
     def close(self) -> None:
         """Release resources; bounded, never blocks on peers."""
+
+
+def whole_group(tr: Transport, ranks: Ranks) -> None:
+    """Raise ``NotImplementedError`` unless ``ranks`` is None or every rank of ``tr`` in order
+    (for transports without subsets)."""
+    if ranks is not None and list(ranks) != list(range(tr.world_size)):
+        raise NotImplementedError(f"{type(tr).__name__} runs collectives over all its ranks, "
+                                  f"got the subset {list(ranks)}")

@@ -5,6 +5,9 @@ boot id) gets one ``shm`` transport per host (its local ranks) and one ``tcp``
 transport over all ranks.  Large ``all_reduce``, ``reduce_scatter`` and ``all_gather`` are
 hierarchical; point-to-point messages between ranks of one host go through its shared
 memory; everything else runs on the flat tcp transport, which is correct for any layout.
+The two are composed through the :class:`~ringlet.transport.base.Transport` interface only:
+any ``local`` transport, and any ``net`` transport that runs collectives over rank subsets
+([Note: rank subsets]).
 
 [Note: hierarchical reduction order]
 Results must be bit-identical to the flat tcp path of the same group.  A group that spans
@@ -17,10 +20,11 @@ hierarchical all-reduce computes, with every host working at once:
    "column", folded in host order);
 3. host all-gather (shm).
 
-AVG divides the final sum once; PREMUL_SUM scales each contribution first, as the flat path
-does.  Every host needs the same number of ranks (any numbering); other layouts, and tensors
-of ``SMALL_ALL_REDUCE`` bytes or less (one direct exchange beats three steps), use the flat
-path.  Inter-host bytes: about one tensor each way per host, in parallel over the columns,
+The steps are stages of the one reduction ([Note: reductions]): the host steps scale each
+contribution (PREMUL_SUM) and fold without dividing (``partial``); the column step folds the
+hosts' partial results and divides once (``completing``: AVG by the whole group's size), as the
+flat path does.  Every host needs the same number of ranks (any numbering); other layouts, and
+tensors of ``FLAT_BYTES`` or less (one direct exchange beats three steps), use the flat path.  Inter-host bytes: about one tensor each way per host, in parallel over the columns,
 against ``2(n-1)/n`` tensors per *rank* for the flat path's reduce-scatter + all-gather.
 """
 
@@ -37,15 +41,17 @@ import torch
 
 from ringlet.errors import CollectiveTimeoutError, DistBackendError
 from ringlet.store import PrefixStore
-from ringlet.transport._tcp_algos import SMALL_ALL_REDUCE
 from ringlet.transport.arena import usable_cpus
-from ringlet.transport.base import OpContext, Transport
-from ringlet.transport.reduce import RedOpType, finish_, prepare_contribution
+from ringlet.transport.base import OpContext, Ranks, ReduceArg, Transport, whole_group
+from ringlet.transport.reduce import Reduction, reduction
 from ringlet.transport.shm import ShmTransport
 from ringlet.transport.tcp import TcpTransport
 
 __all__ = ["HierarchicalTransport", "HostPlan", "plan_hosts", "same_kernel"]
 
+# Tensors up to this many bytes take the flat path: the flat transport's one direct exchange
+# beats three steps (the tcp transport's own direct all-reduce goes up to the same size).
+FLAT_BYTES = 64 * 1024
 # Shared-memory steps get this much longer than the operation's deadline: when a rank waits on
 # the network, its host-mates wait on it; letting it time out first means they fail with its
 # reason (which names the remote rank and host) instead of a timeout that names a host-mate.
@@ -134,13 +140,16 @@ class HierarchicalTransport(Transport):
 
     name = "shm+tcp"
 
-    def __init__(self, rank: int, plan: HostPlan, local: ShmTransport, tcp: TcpTransport) -> None:
+    def __init__(self, rank: int, plan: HostPlan, local: Transport, net: Transport) -> None:
+        if not net.subsets:
+            raise ValueError(f"hierarchical transport: expected a network transport that runs collectives "
+                             f"over rank subsets, got {type(net).__name__}")
         self.rank = rank
-        self.world_size = tcp.world_size
+        self.world_size = net.world_size
         self.plan = plan
-        self.local = local
-        self.tcp = tcp
-        self._net: concurrent.futures.ThreadPoolExecutor | None = None   # the columns' tcp steps
+        self.local = local        # this host's ranks, numbered locally
+        self.net = net            # every rank of the group
+        self._columns: concurrent.futures.ThreadPoolExecutor | None = None   # the columns' tcp steps
         self.pipelined = True     # segments overlap network and shared memory (see SEGMENT_BYTES)
 
     @classmethod
@@ -152,14 +161,14 @@ class HierarchicalTransport(Transport):
         local = ShmTransport.create(PrefixStore(f"host{plan.host}", store), plan.local, len(mates),
                                     timeout, f"{group}/host{plan.host}")
         try:
-            tcp = TcpTransport.create(PrefixStore("net", store), rank, len(host_keys), timeout, group,
+            net = TcpTransport.create(PrefixStore("net", store), rank, len(host_keys), timeout, group,
                                       host_keys=host_keys)
         except BaseException:
             local.close()
             raise
         busy = same_kernel(host_keys, rank)
-        local.arena.share_cpus(busy)
-        tr = cls(rank, plan, local, tcp)
+        local.share_cpus(busy)
+        tr = cls(rank, plan, local, net)
         tr.pipelined = busy <= usable_cpus()
         return tr
 
@@ -178,45 +187,43 @@ class HierarchicalTransport(Transport):
                           **e.context) from None
 
     # -- hierarchical collectives ------------------------------------------------------------
-    def _guarded(self, fn: Callable[[], None]) -> None:
+    def _guarded(self, fn: Callable[[], None], ranks: Ranks) -> None:
         """On failure abort both transports at once: host-mates waiting in shared memory and peers
         waiting on tcp learn the cause now (it names the remote rank), not at their own deadline."""
+        whole_group(self, ranks)
         try:
             fn()
         except DistBackendError as e:
             self.abort(f"{type(e).__name__}: {e}")
             raise
 
-    def all_reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, ctx: OpContext) -> None:
-        self._guarded(lambda: self._all_reduce(buf, op, factor, ctx))
+    def all_reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, ctx: OpContext,
+                   ranks: Ranks = None) -> None:
+        self._guarded(lambda: self._all_reduce(buf, op, factor, ctx), ranks)
 
-    def _all_reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, ctx: OpContext) -> None:
+    def _all_reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, ctx: OpContext) -> None:
         flat, p = buf.view(-1), self.plan
-        small = flat.numel() * flat.element_size() <= SMALL_ALL_REDUCE or flat.numel() < len(p.hosts[0])
+        small = flat.numel() * flat.element_size() <= FLAT_BYTES or flat.numel() < len(p.hosts[0])
         if small or not p.uniform:
-            self.tcp.all_reduce(buf, op, factor, ctx)
+            self.net.all_reduce(buf, op, factor, ctx)
             return
         L = len(p.hosts[0])
-        base = RedOpType.SUM if op in (RedOpType.AVG, RedOpType.PREMUL_SUM) else op
-        src = flat
-        if op == RedOpType.PREMUL_SUM:
-            src = torch.empty_like(flat)
-            prepare_contribution(flat, src, op, factor)
-        padded, _ = self._padded(src, L)
+        red = reduction(op, factor, flat.dtype, self.world_size)
+        padded, _ = self._padded(flat, L)
         out = padded if padded is flat else torch.empty_like(padded)
         if not self.pipelined:
             B = padded.numel() // L
             mine = out[p.local * B:(p.local + 1) * B]
-            self._shm(ctx, _bind(self.local.reduce_scatter, padded, mine, base, None))
-            self._column(mine, base, op, ctx)
+            self._shm(ctx, _bind(self.local.reduce_scatter, padded, mine, red.partial(), None))
+            self._column(mine, red, ctx)
             self._shm(ctx, lambda cc: self.local.all_gather(mine, out, cc))
             if out is not flat:
                 flat.copy_(out[:flat.numel()])
             return
         seg = max(L, SEGMENT_BYTES // flat.element_size() // L * L)
         segments = [(o, min(seg, padded.numel() - o)) for o in range(0, padded.numel(), seg)]
-        if self._net is None:
-            self._net = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringlet-columns")
+        if self._columns is None:
+            self._columns = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringlet-columns")
         pending: list[tuple[concurrent.futures.Future[None], torch.Tensor, int, int]] = []
         try:
             for o, c in segments:      # segment k's shm steps overlap segment k-1's network step
@@ -226,23 +233,23 @@ class HierarchicalTransport(Transport):
                 B = c // L
                 mine = out[o + p.local * B:o + (p.local + 1) * B]
                 piece = padded[o:o + c]
-                self._shm(ctx, _bind(self.local.reduce_scatter, piece, mine, base, None))
-                pending.append((self._net.submit(self._column, mine, base, op, ctx), mine, o, c))
+                self._shm(ctx, _bind(self.local.reduce_scatter, piece, mine, red.partial(), None))
+                pending.append((self._columns.submit(self._column, mine, red, ctx), mine, o, c))
                 if len(pending) > 1:
                     self._gather_segment(pending.pop(0), out, ctx)
             while pending:
                 self._gather_segment(pending.pop(0), out, ctx)
         finally:
             if pending:                # failed half-way: stop the network step before leaving
-                self.tcp.abort("hierarchical all_reduce failed")
+                self.net.abort("hierarchical all_reduce failed")
                 concurrent.futures.wait([f for f, *_ in pending], timeout=5.0)
         if out is not flat:
             flat.copy_(out[:flat.numel()])
 
-    def _column(self, mine: torch.Tensor, base: RedOpType, op: RedOpType, ctx: OpContext) -> None:
+    def _column(self, mine: torch.Tensor, red: Reduction, ctx: OpContext) -> None:
+        """Block ``local`` of the hosts' partial results, folded in host order and finished."""
         p = self.plan
-        self.tcp.algos.all_reduce(mine, base, None, ctx, ranks=p.column(p.local))
-        finish_(mine, op, self.world_size)
+        self.net.all_reduce(mine, red.completing(), None, ctx, ranks=p.column(p.local))
 
     def _gather_segment(self, item: tuple[concurrent.futures.Future[None], torch.Tensor, int, int],
                         out: torch.Tensor, ctx: OpContext) -> None:
@@ -259,11 +266,11 @@ class HierarchicalTransport(Transport):
         out[:flat.numel()].copy_(flat)
         return out, B
 
-    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: RedOpType,
-                       factor: float | None, ctx: OpContext) -> None:
-        self._guarded(lambda: self._reduce_scatter(inp, out, op, factor, ctx))
+    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: ReduceArg,
+                       factor: float | None, ctx: OpContext, ranks: Ranks = None) -> None:
+        self._guarded(lambda: self._reduce_scatter(inp, out, op, factor, ctx), ranks)
 
-    def _reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: RedOpType,
+    def _reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: ReduceArg,
                         factor: float | None, ctx: OpContext) -> None:
         """Each host reduce-scatters so that local rank ``l`` holds the host's sums of the blocks
         of every rank with local index ``l``; then each column reduce-scatters those over tcp.
@@ -272,16 +279,12 @@ class HierarchicalTransport(Transport):
         p = self.plan
         fi, fo = inp.view(-1), out.view(-1)
         if not p.uniform or fi.numel() * fi.element_size() <= HIER_REDUCE_SCATTER_MIN:
-            self.tcp.reduce_scatter(inp, out, op, factor, ctx)
+            self.net.reduce_scatter(inp, out, op, factor, ctx)
             return
         H, L, N = len(p.hosts), len(p.hosts[0]), fo.numel()
-        base = RedOpType.SUM if op in (RedOpType.AVG, RedOpType.PREMUL_SUM) else op
-        src = fi
-        if op == RedOpType.PREMUL_SUM:
-            src = torch.empty_like(fi)
-            prepare_contribution(fi, src, op, factor)
+        red = reduction(op, factor, fo.dtype, self.world_size)
         grid = torch.empty(L * H * N, dtype=fi.dtype)      # blocks local-index-major
-        g, blocks = grid.view(L, H, N), src.view(self.world_size, N)
+        g, blocks = grid.view(L, H, N), fi.view(self.world_size, N)
         if p.contiguous:
             g.copy_(blocks.view(H, L, N).transpose(0, 1))
         else:
@@ -289,22 +292,21 @@ class HierarchicalTransport(Transport):
                 for loc, r in enumerate(ranks):
                     g[loc, h].copy_(blocks[r])
         mine = torch.empty(H * N, dtype=fi.dtype)
-        self._shm(ctx, _bind(self.local.reduce_scatter, grid, mine, base, None))
-        self.tcp.algos.reduce_scatter(mine, fo, base, None, ctx, ranks=p.column(p.local))
-        finish_(fo, op, self.world_size)
+        self._shm(ctx, _bind(self.local.reduce_scatter, grid, mine, red.partial(), None))
+        self.net.reduce_scatter(mine, fo, red.completing(), None, ctx, ranks=p.column(p.local))
 
-    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext) -> None:
-        self._guarded(lambda: self._all_gather(inp, out, ctx))
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext, ranks: Ranks = None) -> None:
+        self._guarded(lambda: self._all_gather(inp, out, ctx), ranks)
 
     def _all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext) -> None:
         """Each column gathers over tcp, then each host gathers the columns over shm."""
         p = self.plan
-        if not p.uniform or out.numel() * out.element_size() <= SMALL_ALL_REDUCE:
-            self.tcp.all_gather(inp, out, ctx)
+        if not p.uniform or out.numel() * out.element_size() <= FLAT_BYTES:
+            self.net.all_gather(inp, out, ctx)
             return
         H, L, N = len(p.hosts), len(p.hosts[0]), inp.numel()
         col = torch.empty(H * N, dtype=inp.dtype)
-        self.tcp.algos.all_gather(inp.view(-1), col, ctx, ranks=p.column(p.local))
+        self.net.all_gather(inp.view(-1), col, ctx, ranks=p.column(p.local))
         grid = torch.empty(L * H * N, dtype=inp.dtype)
         self._shm(ctx, lambda c: self.local.all_gather(col, grid, c))
         fo, g = out.view(-1), grid.view(L, H, N)
@@ -315,8 +317,8 @@ class HierarchicalTransport(Transport):
             for loc, r in enumerate(ranks):
                 fo[r * N:(r + 1) * N].copy_(g[loc, h])
 
-    def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext) -> None:
-        self._guarded(lambda: self._broadcast(buf, root, ctx))
+    def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext, ranks: Ranks = None) -> None:
+        self._guarded(lambda: self._broadcast(buf, root, ctx), ranks)
 
     def _broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext) -> None:
         """The root sends to one rank per other host (tcp); each host broadcasts (shm)."""
@@ -324,28 +326,34 @@ class HierarchicalTransport(Transport):
         rh = next(i for i, h in enumerate(p.hosts) if root in h)
         chain = [root] + [h[0] for i, h in enumerate(p.hosts) if i != rh]
         if self.rank in chain:
-            self.tcp.algos.broadcast(buf.view(-1), 0, ctx, ranks=chain)
+            self.net.broadcast(buf.view(-1), 0, ctx, ranks=chain)
         src = p.hosts[rh].index(root) if p.host == rh else 0
         self._shm(ctx, lambda c: self.local.broadcast(buf, src, c))
 
-    # -- flat tcp ------------------------------------------------------------------------------
-    def reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, root: int,
-               ctx: OpContext) -> None:
-        self.tcp.reduce(buf, op, factor, root, ctx)
+    # -- flat: the network transport over the whole group ----------------------------------------
+    def reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, root: int,
+               ctx: OpContext, ranks: Ranks = None) -> None:
+        whole_group(self, ranks)
+        self.net.reduce(buf, op, factor, root, ctx)
 
-    def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext) -> None:
-        self.tcp.gather(inp, out, root, ctx)
+    def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext,
+               ranks: Ranks = None) -> None:
+        whole_group(self, ranks)
+        self.net.gather(inp, out, root, ctx)
 
-    def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext) -> None:
-        self.tcp.scatter(inp, out, root, ctx)
-
+    def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext,
+                ranks: Ranks = None) -> None:
+        whole_group(self, ranks)
+        self.net.scatter(inp, out, root, ctx)
 
     def all_to_all(self, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
-                   out_splits: list[int], ctx: OpContext) -> None:
-        self.tcp.all_to_all(inp, in_splits, out, out_splits, ctx)
+                   out_splits: list[int], ctx: OpContext, ranks: Ranks = None) -> None:
+        whole_group(self, ranks)
+        self.net.all_to_all(inp, in_splits, out, out_splits, ctx)
 
-    def barrier(self, ctx: OpContext) -> None:
-        self.tcp.barrier(ctx)
+    def barrier(self, ctx: OpContext, ranks: Ranks = None) -> None:
+        whole_group(self, ranks)
+        self.net.barrier(ctx)
 
     # -- point to point: shared memory to a host-mate, tcp to other hosts -----------------------
     def _mate(self, r: int) -> int | None:
@@ -356,7 +364,7 @@ class HierarchicalTransport(Transport):
     def send(self, buf: torch.Tensor, dst: int, tag: int, ctx: OpContext) -> None:
         li = self._mate(dst)
         if li is None:
-            self.tcp.send(buf, dst, tag, ctx)
+            self.net.send(buf, dst, tag, ctx)
         else:
             self._shm(ctx, lambda c: self.local.send(buf, li, tag, c))
 
@@ -365,24 +373,25 @@ class HierarchicalTransport(Transport):
             src = self._any_source(ctx)
         li = self._mate(src)
         if li is None:
-            return self.tcp.recv(buf, src, tag, ctx)
+            return self.net.recv(buf, src, tag, ctx)
         self._shm(ctx, lambda c: self.local.recv(buf, li, tag, c))
         return src
 
     def _any_source(self, ctx: OpContext) -> int:
-        """The lowest rank whose message is here, watching shared memory and tcp at once."""
+        """The lowest rank whose message is here, watching shared memory and tcp at once (polling
+        both: they have no wake-up in common)."""
         mates = self.plan.hosts[self.plan.host]
-        self.tcp.any_source_wanted(+1)
+        self.net.watch_any_source(+1)
         try:
             delay = 2e-5
             while True:
                 li = self.local.pending_source()
                 if li is not None:
                     return mates[li]
-                r = self.tcp.pending_source()
+                r = self.net.pending_source()
                 if r is not None:
                     return r
-                self.tcp.check_any_source(ctx)     # aborted, destroyed, or nobody left to send
+                self.net.check_any_source(ctx)     # aborted, destroyed, or nobody left to send
                 remaining = ctx.deadline - time.monotonic()
                 if remaining <= 0:
                     others = [r for r in range(self.world_size) if r != self.rank]
@@ -391,20 +400,20 @@ class HierarchicalTransport(Transport):
                 time.sleep(min(delay, remaining))
                 delay = min(delay * 2, 1e-3)
         finally:
-            self.tcp.any_source_wanted(-1)
+            self.net.watch_any_source(-1)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def wait_stats(self) -> tuple[float, dict[int, float]]:
-        return self.tcp.wait_stats()
+        return self.net.wait_stats()
 
     def abort(self, reason: str) -> None:
         self.local.abort(reason)
-        self.tcp.abort(reason)
+        self.net.abort(reason)
 
     def close(self) -> None:
         try:
             self.local.close()
         finally:
-            self.tcp.close()
-            if self._net is not None:
-                self._net.shutdown(wait=True, cancel_futures=True)
+            self.net.close()
+            if self._columns is not None:
+                self._columns.shutdown(wait=True, cancel_futures=True)

@@ -21,10 +21,13 @@ from collections.abc import Callable
 
 import torch
 
-from ringlet.transport.base import OpContext, Transport
-from ringlet.transport.reduce import RedOpType
+from ringlet.transport.base import OpContext, Ranks, ReduceArg, Transport
 
 __all__ = ["DeviceSplitTransport"]
+
+
+def _subset(ranks: Ranks) -> dict[str, Ranks]:
+    return {} if ranks is None else {"ranks": ranks}
 
 
 class DeviceSplitTransport(Transport):
@@ -38,6 +41,7 @@ class DeviceSplitTransport(Transport):
         self._aborted: str | None = None
         self.devices = tuple(self._built) + tuple(d for d in lazy if d not in self._built)
         self.name = name
+        self.subsets = main.subsets
 
     def __repr__(self) -> str:
         return f"DeviceSplitTransport({self.name}: {self.main!r} + {sorted(self._factories)})"
@@ -60,35 +64,39 @@ class DeviceSplitTransport(Transport):
         return tr
 
     # -- every call goes to the transport of its tensors' device ---------------------------------
-    def all_reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, ctx: OpContext) -> None:
-        self._for(buf).all_reduce(buf, op, factor, ctx)
+    # (``ranks`` is passed on only when given: a registered transport may not take it.)
+    def all_reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, ctx: OpContext,
+                   ranks: Ranks = None) -> None:
+        self._for(buf).all_reduce(buf, op, factor, ctx, **_subset(ranks))
 
-    def reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, root: int,
-               ctx: OpContext) -> None:
-        self._for(buf).reduce(buf, op, factor, root, ctx)
+    def reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, root: int,
+               ctx: OpContext, ranks: Ranks = None) -> None:
+        self._for(buf).reduce(buf, op, factor, root, ctx, **_subset(ranks))
 
-    def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext) -> None:
-        self._for(buf).broadcast(buf, root, ctx)
+    def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext, ranks: Ranks = None) -> None:
+        self._for(buf).broadcast(buf, root, ctx, **_subset(ranks))
 
-    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext) -> None:
-        self._for(inp).all_gather(inp, out, ctx)
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext, ranks: Ranks = None) -> None:
+        self._for(inp).all_gather(inp, out, ctx, **_subset(ranks))
 
-    def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext) -> None:
-        self._for(inp).gather(inp, out, root, ctx)
+    def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext,
+               ranks: Ranks = None) -> None:
+        self._for(inp).gather(inp, out, root, ctx, **_subset(ranks))
 
-    def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext) -> None:
-        self._for(out).scatter(inp, out, root, ctx)
+    def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext,
+                ranks: Ranks = None) -> None:
+        self._for(out).scatter(inp, out, root, ctx, **_subset(ranks))
 
-    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: RedOpType,
-                       factor: float | None, ctx: OpContext) -> None:
-        self._for(out).reduce_scatter(inp, out, op, factor, ctx)
+    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: ReduceArg,
+                       factor: float | None, ctx: OpContext, ranks: Ranks = None) -> None:
+        self._for(out).reduce_scatter(inp, out, op, factor, ctx, **_subset(ranks))
 
     def all_to_all(self, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
-                   out_splits: list[int], ctx: OpContext) -> None:
-        self._for(out).all_to_all(inp, in_splits, out, out_splits, ctx)
+                   out_splits: list[int], ctx: OpContext, ranks: Ranks = None) -> None:
+        self._for(out).all_to_all(inp, in_splits, out, out_splits, ctx, **_subset(ranks))
 
-    def barrier(self, ctx: OpContext) -> None:
-        self.main.barrier(ctx)
+    def barrier(self, ctx: OpContext, ranks: Ranks = None) -> None:
+        self.main.barrier(ctx, **_subset(ranks))
 
     def send(self, buf: torch.Tensor, dst: int, tag: int, ctx: OpContext) -> None:
         self._for(buf).send(buf, dst, tag, ctx)
@@ -98,7 +106,7 @@ class DeviceSplitTransport(Transport):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def wait_stats(self) -> tuple[float, dict[int, float]]:
-        stats = getattr(self.main, "wait_stats", None)
+        stats = getattr(self.main, "wait_stats", None)     # a registered transport may lack it
         return stats() if stats is not None else (0.0, {})
 
     def abort(self, reason: str) -> None:

@@ -4,7 +4,7 @@ The only module of ringlet that imports ``torch.distributed``.  It lets ringlet'
 checks, sequence numbers, fingerprints (``RINGLET_DEBUG=DETAIL``), hang reports and strategies run
 on torch's engines -- for GPU users (NCCL), or to compare engines on the same script.
 
-Selected by the backend name (see ``ringlet.c10d.world._parse_backend``):
+Selected by the backend name (see ``ringlet.transport.select``):
 
 =================================  ===========================================================
 ``"torch:gloo"``                   torch's gloo for CPU tensors
@@ -16,8 +16,8 @@ Selected by the backend name (see ``ringlet.c10d.world._parse_backend``):
 
 The engines rendezvous through the group's ringlet store (wrapped as a ``torch.distributed.Store``)
 and gloo listens on the address the tcp transport would use (``RINGLET_IFNAME`` or the one that
-reaches the store).  AVG and PREMUL_SUM are done as ringlet does them (scale, sum, divide), since
-gloo has neither.  Results are the engine's: bit-identical to torch's, not necessarily to ringlet's
+reaches the store).  AVG and PREMUL_SUM are done as ringlet does them (scale, sum, divide: the
+pre- and post-scale of [Note: reductions]), since gloo has neither.  Results are the engine's: bit-identical to torch's, not necessarily to ringlet's
 rank-order folds.  torch's errors become ringlet's (``CollectiveTimeoutError`` for its timeouts,
 ``DistBackendError`` otherwise; ``TypeError`` for a dtype or op the engine refuses).
 """
@@ -31,15 +31,14 @@ import torch
 import torch.distributed as tdist
 
 from ringlet.errors import CollectiveTimeoutError, DistBackendError
-from ringlet.transport.base import OpContext, Transport
-from ringlet.transport.reduce import RedOpType, finish_, prepare_contribution
+from ringlet.transport.base import OpContext, Ranks, ReduceArg, Transport, whole_group
+from ringlet.transport.reduce import RedOpType, reduction
 from ringlet.transport.tcp import choose_address
 
 __all__ = ["TorchEngineTransport", "engines_for"]
 
-_OPS: dict[RedOpType, Any] = {   # torch's ReduceOp values (typed loosely by torch's stubs)
-    RedOpType.SUM: tdist.ReduceOp.SUM, RedOpType.AVG: tdist.ReduceOp.SUM,
-    RedOpType.PREMUL_SUM: tdist.ReduceOp.SUM, RedOpType.PRODUCT: tdist.ReduceOp.PRODUCT,
+_OPS: dict[RedOpType, Any] = {   # fold operator -> torch's ReduceOp (typed loosely by torch's stubs)
+    RedOpType.SUM: tdist.ReduceOp.SUM, RedOpType.PRODUCT: tdist.ReduceOp.PRODUCT,
     RedOpType.MIN: tdist.ReduceOp.MIN, RedOpType.MAX: tdist.ReduceOp.MAX,
     RedOpType.BAND: tdist.ReduceOp.BAND, RedOpType.BOR: tdist.ReduceOp.BOR,
     RedOpType.BXOR: tdist.ReduceOp.BXOR,
@@ -168,6 +167,12 @@ class TorchEngineTransport(Transport):
             return TypeError(f"{ctx.op}: torch's {self._engine} engine refused this call: {text}")
         return ctx.error(DistBackendError, f"torch's {self._engine} engine failed: {text}")
 
+    def _pg_all(self, t: torch.Tensor, ctx: OpContext, ranks: Ranks) -> Any:
+        """The engine for ``t``'s device; the engines run collectives over the whole group only."""
+        if ranks is not None:
+            whole_group(self, ranks)
+        return self._pg(t, ctx)
+
     def _run(self, ctx: OpContext, call: Any) -> Any:
         try:
             work = call()
@@ -177,71 +182,75 @@ class TorchEngineTransport(Transport):
         return work
 
     # -- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, ctx: OpContext) -> None:
-        pg = self._pg(buf, ctx)
-        if op == RedOpType.PREMUL_SUM:
-            prepare_contribution(buf, buf, op, factor)
+    def all_reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, ctx: OpContext,
+                   ranks: Ranks = None) -> None:
+        pg = self._pg_all(buf, ctx, ranks)
+        red = reduction(op, factor, buf.dtype, self.world_size)
+        red.contribute(buf, buf)
         opts = tdist.AllreduceOptions()
-        opts.reduceOp = _OPS[op]
+        opts.reduceOp = _OPS[red.fold]
         self._run(ctx, lambda: pg.allreduce([buf], opts))
-        finish_(buf, op, self.world_size)
+        red.finish_(buf)
 
-    def reduce(self, buf: torch.Tensor, op: RedOpType, factor: float | None, root: int,
-               ctx: OpContext) -> None:
-        pg = self._pg(buf, ctx)
+    def reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, root: int,
+               ctx: OpContext, ranks: Ranks = None) -> None:
+        pg = self._pg_all(buf, ctx, ranks)
+        red = reduction(op, factor, buf.dtype, self.world_size)
         # gloo uses non-roots' buffers as scratch; ringlet leaves them unchanged: reduce a copy.
         src = torch.empty_like(buf)
-        prepare_contribution(buf, src, op, factor)
+        red.contribute(buf, src)
         opts = tdist.ReduceOptions()
-        opts.reduceOp, opts.rootRank = _OPS[op], root
+        opts.reduceOp, opts.rootRank = _OPS[red.fold], root
         self._run(ctx, lambda: pg.reduce([src], opts))
         if self.rank == root:
             buf.copy_(src)
-            finish_(buf, op, self.world_size)
+            red.finish_(buf)
 
-    def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext) -> None:
-        pg = self._pg(buf, ctx)
+    def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext, ranks: Ranks = None) -> None:
+        pg = self._pg_all(buf, ctx, ranks)
         opts = tdist.BroadcastOptions()
         opts.rootRank = root
         self._run(ctx, lambda: pg.broadcast([buf], opts))
 
-    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext) -> None:
-        pg = self._pg(inp, ctx)
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext, ranks: Ranks = None) -> None:
+        pg = self._pg_all(inp, ctx, ranks)
         self._run(ctx, lambda: pg._allgather_base(out, inp))
 
-    def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext) -> None:
-        pg = self._pg(inp, ctx)
+    def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext,
+               ranks: Ranks = None) -> None:
+        pg = self._pg_all(inp, ctx, ranks)
         opts = tdist.GatherOptions()
         opts.rootRank = root
         outs = [list(out.view(self.world_size, -1).unbind(0))] if out is not None else []
         self._run(ctx, lambda: pg.gather(outs, [inp], opts))
 
-    def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext) -> None:
-        pg = self._pg(out, ctx)
+    def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext,
+                ranks: Ranks = None) -> None:
+        pg = self._pg_all(out, ctx, ranks)
         opts = tdist.ScatterOptions()
         opts.rootRank = root
         ins = [list(inp.view(self.world_size, -1).unbind(0))] if inp is not None else []
         self._run(ctx, lambda: pg.scatter([out], ins, opts))
 
-    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: RedOpType,
-                       factor: float | None, ctx: OpContext) -> None:
-        pg = self._pg(out, ctx)
-        src = inp
-        if op == RedOpType.PREMUL_SUM:
-            src = torch.empty_like(inp)
-            prepare_contribution(inp, src, op, factor)
+    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: ReduceArg,
+                       factor: float | None, ctx: OpContext, ranks: Ranks = None) -> None:
+        pg = self._pg_all(out, ctx, ranks)
+        red = reduction(op, factor, out.dtype, self.world_size)
+        src = red.contribution(inp)
         opts = tdist.ReduceScatterOptions()
-        opts.reduceOp = _OPS[op]
+        opts.reduceOp = _OPS[red.fold]
         self._run(ctx, lambda: pg._reduce_scatter_base(out, src, opts))
-        finish_(out, op, self.world_size)
+        red.finish_(out)
 
     def all_to_all(self, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
-                   out_splits: list[int], ctx: OpContext) -> None:
-        pg = self._pg(inp, ctx)
+                   out_splits: list[int], ctx: OpContext, ranks: Ranks = None) -> None:
+        pg = self._pg_all(inp, ctx, ranks)
         self._run(ctx, lambda: pg.alltoall_base(out, inp, list(out_splits), list(in_splits),
                                                 tdist.AllToAllOptions()))
 
-    def barrier(self, ctx: OpContext) -> None:
+    def barrier(self, ctx: OpContext, ranks: Ranks = None) -> None:
+        if ranks is not None:
+            whole_group(self, ranks)
         pg = self.pgs.get("cpu") or next(iter(self.pgs.values()))
         self._run(ctx, lambda: pg.barrier(tdist.BarrierOptions()))
 

@@ -1,16 +1,17 @@
-"""The ``tcp`` transport's connections: one per pair of ranks, carrying every kind of frame.
+"""The ``tcp`` transport's receiving side: one reader per moment, every frame routed to its owner.
 
 [Note: tcp routing]
 Collectives and point-to-point messages share one connection per pair of ranks.  Exactly one
-thread reads the connections at a time (it holds ``Link.rd``):
+thread reads the connections at a time (it holds ``Inbox.rd``):
 
-- while a collective runs, its own thread (``Pump.run`` calls :meth:`Link.take_over`): frames
+- while a collective runs, its own thread (``Pump.run`` calls :meth:`Inbox.take_over`): frames
   land in its tensors without a hand-off between threads;
 - otherwise, when somebody waits for input (a point-to-point receive), the transport's reader
-  thread (``ringlet-tcp-rx <group> r<rank>``); with nobody waiting it sleeps, and frames stay in the kernel.
+  thread (``ringlet-tcp-rx <group> r<rank>``); with nobody waiting it sleeps, and frames stay in
+  the kernel.
 
 Whoever reads hands each frame to its owner: a collective frame (DATA) to the receive that the
-running operation posted for it (:meth:`Link.want`), a point-to-point frame (P2P) to the ``recv``
+running operation posted for it (:meth:`Inbox.want`), a point-to-point frame (P2P) to the ``recv``
 waiting for it -- the header is checked first, then the payload is read straight into the tensor;
 ABORT, BYE and the end of a stream are recorded and every waiter is woken.
 
@@ -21,7 +22,7 @@ straight into the tensor once the receive is posted.  Only when somebody waits f
 behind a message nobody has received yet, or a receive from any rank) is the held frame read into
 a private buffer (``Early``), so that neither kind of traffic can block the other.
 
-Writers take the connection's send lock (``Link.tx``) for whole frames, so the frames of a
+Writers take the connection's send lock (``Outbox``) for whole frames, so the frames of a
 collective and of point-to-point threads never interleave.
 """
 
@@ -33,115 +34,56 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from ringlet.transport._tcp_mesh import Peer
-from ringlet.transport._tcp_wire import (
-    ABORT,
-    BYE,
-    DATA,
-    FRAME_MAGIC,
-    HEADER,
-    MAX_REASON,
-    parse_header,
-)
+from ringlet.transport._tcp_wire import ABORT, BYE, DATA, FRAME_MAGIC, parse_header
+from ringlet.transport.tcp.frames import HSIZE, Early, Inbound, Want, read_reason
 
-__all__ = ["Early", "Link", "Want"]
+__all__ = ["Inbox"]
 
-HSIZE = HEADER.size
-_RX_EVENTS = select.POLLIN
 _JOIN_S = 2.0
 _REPOLL_MS = 50            # the reader thread re-reads its watch list at least this often
+_HUP = select.POLLHUP | select.POLLERR
 
 
-class Want:
-    """A posted receive: the exact header wanted, where the payload goes, what to run after.
+def _pipe() -> tuple[int, int]:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    return r, w
 
-    The reader fills ``header`` (the header that came) and either reads the payload into
-    ``view`` or leaves it in ``early``; ``ok`` is False when the header differed (nothing read).
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _poke(fd: int) -> None:
+    try:
+        os.write(fd, b".")
+    except OSError:               # full (the waiter will look anyway) or closed
+        pass
+
+
+class Inbox:
+    """The connections' receiving side and its reader thread (see [Note: tcp routing]).
+
+    ``cv`` guards the routing state; point-to-point receives wait on it.  A running collective
+    waits on :attr:`notify_fd`, which becomes readable when one of its receives completes or
+    :meth:`wake_all` is called.
     """
 
-    __slots__ = ("done", "early", "expect", "finished", "header", "peer", "view")
-
-    def __init__(self, peer: int, expect: bytes, view: memoryview, done: Callable[[], None] | None) -> None:
-        self.peer = peer
-        self.expect = expect
-        self.view = view
-        self.done = done
-        self.header: bytes | None = None
-        self.early: Early | None = None
-        self.finished = False
-
-    @property
-    def ok(self) -> bool:
-        return self.header == self.expect
-
-    def settle(self) -> None:
-        """Copy a privately buffered payload into ``view`` (on the waiting thread)."""
-        if self.early is not None and self.ok and len(self.view):
-            self.view[:] = self.early.buf
-
-
-class Early:
-    """A frame read into a private buffer because something behind it was wanted."""
-
-    __slots__ = ("buf", "complete", "header", "waiter")
-
-    def __init__(self, header: bytes, nbytes: int) -> None:
-        self.header = header
-        self.buf = bytearray(nbytes)
-        self.complete = False
-        self.waiter: Want | None = None
-
-
-class _Inbound:
-    """Where the reader is in one connection's stream."""
-
-    __slots__ = (
-        "busy",
-        "dest",
-        "discard",
-        "got",
-        "hbuf",
-        "header",
-        "held",
-        "hgot",
-        "hup",
-        "kind",
-        "nbytes",
-        "owner",
-    )
-
-    def __init__(self) -> None:
-        self.hbuf = bytearray(HSIZE)
-        self.reset()
-        self.busy = False        # the reader is inside recv_into(dest)
-        self.hup = False         # the peer hung up while its stream was held
-
-    def reset(self) -> None:
-        self.hgot = 0
-        self.header: bytes | None = None
-        self.kind = 0
-        self.nbytes = 0
-        self.dest: memoryview | None = None
-        self.got = 0
-        self.owner: Want | Early | None = None
-        self.held = False
-        self.discard = False     # the owner gave up: read the rest of the payload into scratch
-
-
-class Link:
-    """The connections of one transport and their reader thread (see [Note: tcp routing])."""
-
-    def __init__(self, me: int, peers: dict[int, Peer], notify_fd: int, name: str = "ringlet-tcp-rx") -> None:
+    def __init__(self, me: int, peers: dict[int, Peer], name: str = "ringlet-tcp-rx") -> None:
         self.me = me
         self.peers = peers
-        self.notify_fd = notify_fd                  # written when a collective's receive completes
         lock = threading.RLock()
         self.cv = threading.Condition(lock)         # guards the state below; point-to-point waits
         self._park = threading.Condition(lock)      # the reader thread sleeps here
-        self.tx = {r: threading.Lock() for r in peers}
-        self.inb = {r: _Inbound() for r in peers}
+        self.inb = {r: Inbound() for r in peers}
         self.posted: dict[int, collections.deque[Want]] = {r: collections.deque() for r in peers}
         self.early: dict[int, collections.deque[Early]] = {r: collections.deque() for r in peers}
         self.mail: dict[int, collections.deque[Early]] = {r: collections.deque() for r in peers}
@@ -151,9 +93,8 @@ class Link:
         self.aborted_by: dict[int, str] = {}        # peer -> reason of its ABORT frame
         self.desync: set[int] = set()               # streams out of step (bad header)
         self._fd_rank = {p.fd: r for r, p in peers.items()}
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self.notify_fd, self._notify_w = _pipe()    # a collective's wake-up
+        self._wake_r, self._wake_w = _pipe()        # the reader thread's wake-up
         self._closing = False
         self.rd = threading.Lock()                  # held by whoever reads the connections
         self.pump_reads = False                     # a running collective holds ``rd``
@@ -204,6 +145,14 @@ class Link:
                 return r
         return None
 
+    def any_waiting(self, delta: int) -> None:
+        """Under ``cv``: a receive from any rank starts (+1) or ends (-1) waiting."""
+        self.any_source += delta
+        if delta > 0:
+            for r in self.peers:
+                self._reconsider(r)
+            self._park.notify()
+
     def withdraw(self, w: Want) -> None:
         """Under ``cv``: ``w``'s waiter gives up; a payload half read into its view goes to scratch."""
         if self.p2p_want.get(w.peer) is w:
@@ -224,13 +173,24 @@ class Link:
                 self._stop_filling(self.inb[w.peer], w)
             self.completed.clear()
 
-    def _stop_filling(self, st: _Inbound, w: Want) -> None:
-        """Under ``cv``: if the reader is filling ``w``'s view, the rest of that payload goes to scratch."""
+    def _stop_filling(self, st: Inbound, w: Want) -> None:
+        """Under ``cv``: if the reader is filling ``w``'s view, the rest of that payload goes to
+        scratch; wait out a ``recv_into`` in progress ([busy / discard] in ``frames``)."""
         if st.owner is w:
             st.discard = True
+            st.watched = True
             deadline = time.monotonic() + 1.0      # one non-blocking recv_into: microseconds
-            while st.busy and time.monotonic() < deadline:
-                time.sleep(0.0002)
+            while st.busy:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self.cv.wait(remaining)
+            st.watched = False
+
+    def next_completed(self) -> Want | None:
+        """The next collective receive the reader completed (for the running collective)."""
+        with self.cv:
+            return self.completed.popleft() if self.completed else None
 
     # -- who reads: the reader thread, or a running collective -------------------------------
     def take_over(self) -> None:
@@ -258,25 +218,28 @@ class Link:
                    for st in self.inb.values())
 
     def poll_set(self) -> dict[int, int]:
-        """Under ``cv``: what the reading thread polls: POLLIN on streams it can read, nothing
-        (hang-ups only) on held ones, none on streams that ended."""
+        """What the reading thread polls: POLLIN on streams it can read, nothing (hang-ups only)
+        on held ones, none on streams that ended."""
         want = {}
-        for r, p in self.peers.items():
-            if p.gone is not None or r in self.desync or r in self.aborted_by:
-                continue
-            st = self.inb[r]
-            if st.held:
-                if not st.hup:
-                    want[p.fd] = 0
-            else:
-                want[p.fd] = _RX_EVENTS
+        with self.cv:
+            for r, p in self.peers.items():
+                if p.gone is not None or r in self.desync or r in self.aborted_by:
+                    continue
+                st = self.inb[r]
+                if st.held:
+                    if not st.hup:
+                        want[p.fd] = 0
+                else:
+                    want[p.fd] = select.POLLIN
         return want
 
-    def hung_up(self, fd: int) -> None:
-        """POLLHUP on ``fd``: a held stream stops being polled (its reader finds the end later)."""
+    def polled(self, fd: int, events: int) -> int | None:
+        """``poll`` reported ``events`` on ``fd``: note a hang-up of a held stream (its reader
+        finds the end later); returns the peer's rank (None: not a connection)."""
         r = self._fd_rank.get(fd)
-        if r is not None and self.inb[r].held:
+        if r is not None and events & _HUP and self.inb[r].held:
             self.inb[r].hup = True
+        return r
 
     def read_all(self, ranks: Iterable[int] | None = None) -> bool:
         """Read what the streams of ``ranks`` (default all) have, unless held (non-blocking);
@@ -306,17 +269,12 @@ class Link:
                         poller.register(fd, ev)
                         registered[fd] = ev
                 events = poller.poll(_REPOLL_MS)   # bounded: the watch list may change meanwhile
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
+                _drain(self._wake_r)
                 if not self.rd.acquire(blocking=False):
                     continue                       # a collective reads now
                 try:
                     for fd, ev in events:
-                        if ev & (select.POLLHUP | select.POLLERR):
-                            self.hung_up(fd)
+                        self.polled(fd, ev)
                     self.read_all()                # also frames just given an owner
                 finally:
                     self.rd.release()
@@ -325,10 +283,11 @@ class Link:
                 for p in self.peers.values():
                     p.gone = p.gone or f"reader failed: {type(e).__name__}: {e}"
                 self.cv.notify_all()
-            self._notify()
+            self.nudge()
             if not self._closing:
                 raise
 
+    # -- reading one stream ---------------------------------------------------------------------
     def _read(self, r: int) -> bool:
         """Read what connection ``r`` has, frame by frame, until it would block or is held."""
         p, st = self.peers[r], self.inb[r]
@@ -353,21 +312,9 @@ class Link:
                 if st.held:
                     return progressed
                 if st.got < st.nbytes:
-                    # [busy / discard]: set busy, then look at discard; the withdrawing thread sets
-                    # discard, then waits for busy to drop.  Either the reader sees discard, or the
-                    # withdrawer waits out this one recv_into: nothing lands in a withdrawn tensor.
-                    st.busy = True
-                    try:
-                        if st.discard:                   # the owner left: the rest goes to scratch
-                            st.dest = memoryview(bytearray(st.nbytes))   # (the reader's own fields)
-                            st.discard = False
-                            st.owner = None
-                        dest = st.dest
-                        if dest is None:                 # not routed after all: leave it held
-                            return progressed
-                        n = sock.recv_into(dest[st.got:])
-                    finally:
-                        st.busy = False
+                    n = self._fill(st, sock)
+                    if n < 0:                        # not routed after all: leave it held
+                        return progressed
                     if n == 0:
                         self._gone(r, "eof")
                         return True
@@ -383,6 +330,24 @@ class Link:
             self._gone(r, f"reset ({type(e).__name__}: {e})")
             return True
 
+    def _fill(self, st: Inbound, sock: socket.socket) -> int:
+        """One ``recv_into`` of the payload ([busy / discard]); -1 when it has no destination."""
+        st.busy = True
+        try:
+            if st.discard:                   # the owner left: the rest goes to scratch
+                st.dest = memoryview(bytearray(st.nbytes))   # (the reader's own fields)
+                st.discard = False
+                st.owner = None
+            dest = st.dest
+            if dest is None:
+                return -1
+            return sock.recv_into(dest[st.got:])
+        finally:
+            st.busy = False
+            if st.watched:
+                with self.cv:
+                    self.cv.notify_all()
+
     def _header(self, r: int, sock: socket.socket) -> bool:
         """A complete header arrived: route it.  False: stop reading ``r`` (ended or out of step)."""
         st = self.inb[r]
@@ -394,11 +359,11 @@ class Link:
                 self._fail_waiters(r, raw)
             return False
         if kind == ABORT:
-            reason = _read_reason(sock, nbytes)
+            reason = read_reason(sock, nbytes)
             with self.cv:
                 self.aborted_by[r] = reason
                 self.cv.notify_all()
-            self._notify()
+            self.nudge()
             return False
         if kind == BYE:
             self._gone(r, "bye")
@@ -426,6 +391,7 @@ class Link:
                 if not w.ok:                       # nothing is read into the tensor
                     self.desync.add(r)
                     self._complete(w)
+                    self.cv.notify_all()           # point-to-point waiters on r look again
                     return
                 dest = w
             elif self.p2p_want.get(r) is not None or self.any_source:
@@ -461,14 +427,6 @@ class Link:
             if not st.held:
                 self._wake_reader()
 
-    def any_waiting(self, delta: int) -> None:
-        """Under ``cv``: a receive from any rank starts (+1) or ends (-1) waiting."""
-        self.any_source += delta
-        if delta > 0:
-            for r in self.peers:
-                self._reconsider(r)
-            self._park.notify()
-
     def _frame_done(self, r: int) -> None:
         st = self.inb[r]
         with self.cv:
@@ -489,7 +447,7 @@ class Link:
         w.finished = True
         self.completed.append(w)
         if not self.pump_reads:
-            self._notify()
+            self.nudge()
 
     def _fail_waiters(self, r: int, raw: bytes) -> None:
         """Under ``cv``: bytes that are not a frame came from ``r``: fail whoever waits on it."""
@@ -508,97 +466,37 @@ class Link:
             p = self.peers[r]
             p.gone = p.gone or why
             self.cv.notify_all()
-        self._notify()
+        self.nudge()
 
-    def _notify(self) -> None:
-        try:
-            os.write(self.notify_fd, b".")
-        except OSError:               # full (the waiter will look anyway) or closed
-            pass
+    # -- waking ---------------------------------------------------------------------------------
+    def nudge(self) -> None:
+        """Wake the running collective (its wait on :attr:`notify_fd`)."""
+        _poke(self._notify_w)
+
+    def drain(self) -> None:
+        """The running collective woke up: empty :attr:`notify_fd`."""
+        _drain(self.notify_fd)
+
+    def wake_all(self) -> None:
+        """Every waiter looks at the transport's state again (after an abort or a close)."""
+        self.nudge()
+        with self.cv:
+            self.cv.notify_all()
 
     def _wake_reader(self) -> None:
         """Whoever reads should look again (a held frame got an owner, or closing)."""
-        try:
-            os.write(self.notify_fd if self.pump_reads else self._wake_w, b".")
-        except OSError:
-            pass
+        _poke(self._notify_w if self.pump_reads else self._wake_w)
 
-    # -- sending (any thread) ------------------------------------------------------------------
-    def send_frame(self, r: int, frame: list[memoryview], deadline: float, stop: Callable[[], bool],
-                   on_timeout: Callable[[], BaseException], on_error: Callable[[OSError], BaseException]) -> None:
-        """Send one whole frame to ``r`` under its send lock (point-to-point; blocking, bounded)."""
-        p = self.peers[r]
-        if p.tx_broken:
-            raise on_error(BrokenPipeError("the stream was cut mid-frame by an earlier error"))
-        lock = self.tx[r]
-        while not lock.acquire(timeout=0.05):
-            if stop() or time.monotonic() > deadline:
-                raise on_timeout()
-        started = False
-        try:
-            while frame:
-                if stop():
-                    raise on_timeout()
-                try:
-                    n = p.sock.sendmsg(frame)
-                except BlockingIOError:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise on_timeout() from None
-                    poller = select.poll()
-                    poller.register(p.fd, select.POLLOUT)
-                    poller.poll(min(remaining, 0.05) * 1000.0)
-                    continue
-                except OSError as e:
-                    raise on_error(e) from None
-                started = True
-                while frame and n >= len(frame[0]):
-                    n -= len(frame.pop(0))
-                if frame:
-                    frame[0] = frame[0][n:]
-        except BaseException:
-            if started and frame:                  # the peer would read what follows as this
-                p.tx_broken = True                 # frame's payload: end the stream instead
-                try:
-                    p.sock.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
-            raise
-        finally:
-            lock.release()
-
-    # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the reader thread (bounded); the sockets stay open for the caller to close."""
         with self.cv:
             self._closing = True
             self._park.notify_all()
-        try:
-            os.write(self._wake_w, b".")
-        except OSError:
-            pass
+            self.cv.notify_all()                 # a receive still waiting sees the group is gone
+        _poke(self._wake_w)
         self._thread.join(timeout=_JOIN_S)
-        for fd in (self._wake_r, self._wake_w):
+        for fd in (self._wake_r, self._wake_w, self.notify_fd, self._notify_w):
             try:
                 os.close(fd)
             except OSError:
                 pass
-
-
-def _read_reason(sock: socket.socket, nbytes: int) -> str:
-    """An ABORT frame's reason, read for at most one second."""
-    want = min(nbytes, MAX_REASON)
-    data = bytearray()
-    deadline = time.monotonic() + 1.0
-    while len(data) < want and time.monotonic() < deadline:
-        try:
-            chunk = sock.recv(want - len(data))
-        except BlockingIOError:
-            select.select([sock], [], [], 0.05)
-            continue
-        except OSError:
-            break
-        if not chunk:
-            break
-        data += chunk
-    return data.decode("utf-8", "replace")
