@@ -15,7 +15,7 @@ in that order by other cores on x86-64 (TSO), which is what this relies on.
 
 The arena is backed either by a file in /dev/shm (``ringlet.transport.shm``,
 ranks are processes) or by process memory (``ringlet.transport.inproc``, ranks
-are threads); the protocol and the algorithms (``arena_algos``) are the same.
+are threads); the protocol and the algorithms (``arena_algos``, ``arena_p2p``) are the same.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ REASON_MAX = 2048
 C_STEP, C_PID, C_DEPARTED, C_ENTERED, C_DONE = 0, 8, 9, 10, 11
 
 # Spin before backing off: a flag round trip between two processes costs ~0.7 us
-# (DESIGN.md); a wake-up from sleep ~70 us.  Spinning is skipped when ranks
+# (measured on a 2-core machine; docs/architecture.md#shared-memory-transport); a wake-up
+# from sleep ~70 us.  Spinning is skipped when ranks
 # outnumber cores, where it would steal the CPU from the rank being waited on
 # (``Arena.share_cpus``: ranks of other groups on the same kernel count too).
 SPIN_ITERS = 400
