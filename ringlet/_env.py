@@ -16,10 +16,20 @@
 | ``RINGLET_TCP_CHUNK_BYTES`` | pipelining chunk of the tcp transport's large-message algorithms | 1 MiB |
 | ``RINGLET_FAULT`` | test-only fault injection, e.g. ``rank=1;at=collective:seq=5;do=sigkill`` | unset |
 | ``RINGLET_CKPT_FAULT`` | test-only: ``rank=1;after_bytes=N;do=sigkill`` kills that rank N bytes into writing its checkpoint shard | unset |
+
+torch's variables that users already set are honoured too (a ``RINGLET_*`` one wins):
+
+| variable | meaning in ringlet | default |
+|---|---|---|
+| ``TORCH_DISTRIBUTED_DEBUG`` | same as ``RINGLET_DEBUG`` | OFF |
+| ``GLOO_SOCKET_IFNAME`` | same as ``RINGLET_IFNAME`` (the first of a comma-separated list) | unset |
+| ``TORCH_CPP_LOG_LEVEL`` | level of ringlet's log: ``INFO``, ``WARNING``, ``ERROR``, ``FATAL`` | unset: quiet |
+| ``TORCH_SHOW_CPP_STACKTRACES`` | ``1``: hang reports carry every rank's full Python stack | 0 |
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 
@@ -127,9 +137,32 @@ def straggler_report_period() -> float:
 
 
 def ifname() -> str | None:
-    """``RINGLET_IFNAME``: the interface whose IPv4 address the tcp transport binds (None: automatic)."""
+    """``RINGLET_IFNAME`` (else gloo's ``GLOO_SOCKET_IFNAME``, its first entry): the interface whose
+    IPv4 address the tcp transport binds (None: automatic)."""
     raw = os.environ.get("RINGLET_IFNAME", "").strip()
+    if not raw:
+        raw = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
     return raw or None
+
+
+_LOG_LEVELS = {"INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
+               "FATAL": logging.CRITICAL, "0": logging.INFO, "1": logging.WARNING, "2": logging.ERROR,
+               "3": logging.CRITICAL}
+
+
+def log_level() -> int | None:
+    """``TORCH_CPP_LOG_LEVEL`` as a ``logging`` level for ringlet's log (None: unset)."""
+    raw = os.environ.get("TORCH_CPP_LOG_LEVEL", "").strip().upper()
+    if not raw:
+        return None
+    if raw not in _LOG_LEVELS:
+        raise ValueError(f"TORCH_CPP_LOG_LEVEL: expected INFO, WARNING, ERROR or FATAL, got {raw!r}")
+    return _LOG_LEVELS[raw]
+
+
+def show_stacktraces() -> bool:
+    """``TORCH_SHOW_CPP_STACKTRACES=1``: errors that report peers (hang reports) carry full stacks."""
+    return os.environ.get("TORCH_SHOW_CPP_STACKTRACES", "0").strip() not in ("", "0", "false", "False")
 
 
 def tcp_chunk_bytes() -> int:

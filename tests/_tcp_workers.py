@@ -439,7 +439,8 @@ def nccl_one_gpu(rank: int, n: int, spec: str) -> str:
 def per_device_cpu(rank: int, n: int) -> dict[str, Any]:
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t)
-    return {"backend": dist.get_backend(), "sum": float(t[0]),
+    return {"backend": dist.get_backend(), "transport": dist.group.WORLD.transport_name,
+            "sum": float(t[0]),
             "built": sorted(dist.group.WORLD.transport._built),   # the NCCL side waits for CUDA
             "devices": list(dist.group.WORLD.transport.devices)}
 
@@ -453,7 +454,8 @@ def per_device_gpu(rank: int, n: int) -> str:
     out = torch.empty(8, device="cuda")
     dist.all_gather_into_tensor(out, x)
     assert torch.equal(out.cpu(), torch.arange(8, dtype=torch.float32)) and c.tolist() == [1.0] * 3
-    assert dist.get_backend() == "shm,cuda:torch:nccl"
+    assert dist.get_backend() == "cpu:shm,cuda:nccl"
+    assert dist.group.WORLD.transport_name == "shm,cuda:torch:nccl"
     return "ok"
 
 

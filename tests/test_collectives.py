@@ -90,7 +90,7 @@ def test_bad_local_arguments_raise_before_sending_and_group_stays_usable() -> No
             (ValueError, lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(3))),
             (TypeError, lambda: dist.all_reduce([1, 2])),
             (ValueError, lambda: dist.all_reduce(torch.ones(2, device="meta"))),
-            (ValueError, lambda: dist.all_reduce(torch.ones(3).to_sparse())),
+            (ValueError, lambda: dist.all_reduce(torch.ones(3).to_sparse(), op=dist.ReduceOp.MAX)),
             (TypeError, lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)),
             (ValueError, lambda: dist.all_reduce(torch.ones(1).expand(4))),
             (ValueError, lambda: dist.send(torch.ones(1), dst=rank)),

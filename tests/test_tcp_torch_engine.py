@@ -137,8 +137,8 @@ def test_per_device_backend_runs_cpu_tensors_on_ringlet_and_builds_nccl_only_whe
     """torch's own spelling ``cpu:gloo,cuda:nccl`` on a machine without a GPU: CPU collectives run on
     ringlet's shm, and the NCCL side is not built (it waits for a CUDA tensor)."""
     for got in raise_first(run_world(2, _tcp_workers.per_device_cpu, backend="cpu:gloo,cuda:nccl", timeout=50)):
-        assert got == {"backend": "shm,cuda:torch:nccl", "sum": 3.0, "built": ["cpu"],
-                       "devices": ["cpu", "cuda"]}, got
+        assert got == {"backend": "cpu:gloo,cuda:nccl", "transport": "shm,cuda:torch:nccl", "sum": 3.0,
+                       "built": ["cpu"], "devices": ["cpu", "cuda"]}, got
 
 
 @pytest.mark.timeout(120)

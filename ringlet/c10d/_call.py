@@ -4,11 +4,10 @@ Every collective and point-to-point function resolves its group with :func:`reso
 and hands its transport call to :func:`launch` (collectives) or :func:`launch_p2p`.
 Both are thin: what they add to :meth:`ProcessGroup.run` is
 
-- a ``torch.profiler`` event per call, named like torch's (``ringlet:all_reduce``;
-  torch's read ``gloo:all_reduce``) and carrying the group, its size, the sequence
-  number, dtype and element count as event arguments (shown with
-  ``record_shapes=True``, as torch's input shapes are).  When no profiler runs the
-  cost is one ``torch.autograd._profiler_enabled()`` call;
+- the op's name and input tensors for its ``torch.profiler`` event, which
+  :meth:`ProcessGroup.run` records as torch does (``gloo:all_reduce``: the group's backend
+  name and the op; input shapes; an asynchronous span; [Note: profiler events]).  When no
+  profiler runs the cost is one ``torch._C._autograd._profiler_enabled()`` call;
 - for an op that will run later on a communication thread, a second proof of its
   tensors' bounds right before the transport touches them (see [Note: the
   validation gate] in ``checks``);
@@ -68,14 +67,13 @@ def _later(pg: ProcessGroup, async_op: bool) -> bool:
 
 
 def launch(pg: ProcessGroup, name: str, fn: Callable[[], None], ctx: OpContext, result: Any,
-           async_op: bool, guard: bool = True) -> Work | None:
-    """:meth:`ProcessGroup.run` with the profiler label and, when queued, the re-proof."""
-    if _later(pg, async_op):
+           async_op: bool, guard: bool = True, inputs: Any = None) -> Work | None:
+    """:meth:`ProcessGroup.run` with the profiler label and, when queued, the re-proof.
+
+    ``inputs``: the tensors the profiler event records (default: ``result``)."""
+    if _later(pg, async_op) or torch._C._autograd._profiler_enabled():
         fn = _reproving(fn, result, name)
-    if torch.autograd._profiler_enabled():
-        with _event(pg, name, ctx, result, async_op):
-            return pg.run(fn, ctx, result, async_op, guard)
-    return pg.run(fn, ctx, result, async_op, guard)
+    return pg.run(fn, ctx, result, async_op, guard, label=name, inputs=inputs)
 
 
 def launch_p2p(pg: ProcessGroup, name: str, fn: Callable[[Work], None], peer: int, direction: str,
@@ -84,10 +82,7 @@ def launch_p2p(pg: ProcessGroup, name: str, fn: Callable[[Work], None], peer: in
     def proved(work: Work) -> None:
         checks.reprove(result, name)
         fn(work)
-    if torch.autograd._profiler_enabled():
-        with _event(pg, name, ctx, result, True):
-            return pg.run_p2p(proved, peer, direction, ctx, result)
-    return pg.run_p2p(proved, peer, direction, ctx, result)
+    return pg.run_p2p(proved, peer, direction, ctx, result)   # event: ctx.op, "send"/"recv" as torch
 
 
 def _reproving(fn: Callable[[], None], result: Any, name: str) -> Callable[[], None]:
@@ -97,12 +92,3 @@ def _reproving(fn: Callable[[], None], result: Any, name: str) -> Callable[[], N
         checks.reprove(tensors, name)
         fn()
     return proved
-
-
-def _event(pg: ProcessGroup, name: str, ctx: OpContext, result: Any, async_op: bool) -> Any:
-    from torch._C._profiler import _RecordFunctionFast
-
-    meta = {"group": pg.group_desc, "group_size": pg.size(), "seq": ctx.seq,
-            "dtype": str(ctx.dtype).removeprefix("torch.") if ctx.dtype is not None else "",
-            "numel": ctx.numel, "root": ctx.root, "async_op": async_op}
-    return _RecordFunctionFast(f"ringlet:{name}", flatten_tensors(result), meta)

@@ -122,7 +122,7 @@ def _inside_bytes_object(ptr: int, nbytes: int, covering: list[tuple[int, int, s
     home = [m for m in covering if m[0] <= ptr < m[1]]
     if not _CPYTHON64 or not home:
         return False
-    map_lo = home[0][0]
+    map_lo, map_hi = home[0][0], home[0][1]
     lo = (max(map_lo, ptr - _BYTES_HDR - _SCAN) + 7) // 8 * 8
     hi = ptr // 8 * 8
     if hi - lo < _BYTES_HDR:
@@ -130,13 +130,20 @@ def _inside_bytes_object(ptr: int, nbytes: int, covering: list[tuple[int, int, s
     words = np.frombuffer((ctypes.c_char * (hi - lo)).from_address(lo), dtype=np.uint64)
     objs = [lo + 8 * (int(i) - 1) for i in np.flatnonzero(words == id(bytes)) if i >= 1]
     objs.append(map_lo + 16)
-    return any(_bytes_data_covers(o, lo if o >= lo else map_lo, hi, ptr, nbytes) for o in objs)
+    return any(_bytes_data_covers(o, map_lo, map_hi, ptr, nbytes) for o in objs)
 
 
 def _bytes_data_covers(obj: int, lo: int, hi: int, ptr: int, nbytes: int) -> bool:
-    """Whether a ``bytes`` header at ``obj`` (inside the readable [lo, hi)) owns [ptr, ptr+nbytes)."""
+    """Whether a ``bytes`` object at ``obj`` owns [ptr, ptr+nbytes); [lo, hi) is readable.
+
+    A word equal to ``id(bytes)`` is not proof (other structures point at the type too), so the
+    header must also be plausible: a small reference count, a size that fits the mapping, and
+    the NUL byte CPython always keeps after a bytes object's data.
+    """
     if obj < lo or obj + _BYTES_HDR > hi:
         return False
     refcnt, typ, size = (ctypes.c_uint64.from_address(obj + 8 * k).value for k in range(3))
     data = obj + _BYTES_HDR
-    return typ == id(bytes) and 0 < refcnt < 1 << 40 and data <= ptr and ptr + nbytes <= data + size
+    if typ != id(bytes) or not 0 < refcnt < 1 << 32 or data + size >= hi:
+        return False
+    return data <= ptr and ptr + nbytes <= data + size and ctypes.c_ubyte.from_address(data + size).value == 0

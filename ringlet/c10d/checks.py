@@ -34,11 +34,13 @@ from typing import Any
 import torch
 
 from ringlet.c10d import _memory
+from ringlet.c10d.reduce_op import resolve_op
 from ringlet.transport.base import DTYPE_CODES
+from ringlet.transport.reduce import RedOpType, check_op_dtype
 
 __all__ = [
-    "Staged", "blocks", "contiguous_input", "peer", "reprove", "root", "same_dtype", "split_sizes",
-    "tag", "tensor", "tensor_list", "writable",
+    "Staged", "blocks", "contiguous_input", "op_dtype", "peer", "plain", "reduce_op", "reprove", "root",
+    "same_dtype", "split_sizes", "tag", "tensor", "tensor_list", "writable",
 ]
 
 _SUPPORTED = frozenset(DTYPE_CODES)
@@ -215,11 +217,21 @@ def blocks(big: torch.Tensor, big_arg: str, small: torch.Tensor, small_arg: str,
                    f"elements (world size x {small_arg}), got {big.numel()}")
 
 
+def plain(t: torch.Tensor) -> bool:
+    """Whether a transport may use ``t``'s memory as it is: contiguous, no conjugate/negative
+    bit, and strides that byte views accept (torch calls a tensor contiguous whatever the
+    strides of its size-1 dims, or of every dim when it is empty)."""
+    return (t.is_contiguous() and not (t.is_conj() or t.is_neg())
+            and (t.dim() == 0 or (t.stride(-1) == 1 and t.numel() > 0)))
+
+
 def contiguous_input(t: torch.Tensor) -> torch.Tensor:
-    """The bytes a transport should send for ``t``: contiguous, conjugate/negative bits resolved."""
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
-    return t.contiguous()
+    """The bytes a transport should send for ``t``: ``t`` itself when :func:`plain`, else a dense
+    copy of what it reads as (conjugate/negative bits resolved by the copy)."""
+    if plain(t):
+        return t
+    with torch.no_grad():       # a staging copy, not part of the user's graph
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def reprove(ts: list[Any], op: str) -> None:
@@ -241,15 +253,35 @@ class Staged:
 
     def __init__(self, user: torch.Tensor) -> None:
         self.user = user
-        plain = user.is_contiguous() and not (user.is_conj() or user.is_neg())
-        self.buf = user if plain else contiguous_input(user)
+        self.buf = contiguous_input(user)
 
     def finish(self) -> None:
         if self.buf is not self.user:
             self.user.copy_(self.buf)
 
 
-# -- ranks and other scalars --------------------------------------------------------------
+# -- reduce ops, ranks and other scalars ---------------------------------------------------
+def _named(e: Exception, op: str, arg: str) -> Exception:
+    return type(e)(f"{_who()}{op}: {arg}: {str(e).removeprefix(f'{op}: ')}")
+
+
+def reduce_op(op: Any, name: str) -> tuple[RedOpType, float | None]:
+    """``resolve_op`` with the refusal naming the rank and the ``op`` argument."""
+    try:
+        return resolve_op(op, name)
+    except (TypeError, ValueError) as e:
+        raise _named(e, name, "op") from None
+
+
+def op_dtype(red: RedOpType, dtype: torch.dtype, name: str) -> None:
+    """``check_op_dtype`` (an operator that makes no sense on ``dtype``), naming rank and argument."""
+    try:
+        check_op_dtype(red, dtype, name)
+    except (TypeError, ValueError) as e:
+        raise _named(e, name, "op") from None
+
+
+
 def _int(x: Any) -> int | None:
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         return None

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ringlet.c10d import _call, checks, coalescing
+from ringlet.c10d import _call, checks, coalescing, debug, sparse
 from ringlet.c10d.checks import Staged
 from ringlet.c10d.group import ProcessGroup
 from ringlet.c10d.list_collectives import (
@@ -34,8 +34,9 @@ from ringlet.c10d.list_collectives import (
     reduce_scatter_into,
     scatter,
 )
-from ringlet.c10d.reduce_op import ReduceOp, resolve_op
+from ringlet.c10d.reduce_op import ReduceOp, check_complex, resolve_op
 from ringlet.c10d.work import Work
+from ringlet.errors import CollectiveTimeoutError
 from ringlet.transport.reduce import check_op_dtype
 
 __all__ = [
@@ -80,9 +81,12 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     pg = _call.resolve(group, "all_reduce", holdable=True)
     if pg is None:
         return None
+    if getattr(tensor, "layout", None) is torch.sparse_coo:    # gloo's sparse SUM (ringlet.c10d.sparse)
+        return sparse.all_reduce(pg, tensor, op, async_op)
     t = checks.tensor(tensor, "all_reduce", "tensor", pg.transport.devices, out=True)
     red, factor = resolve_op(op, "all_reduce")
     if red != ReduceOp.SUM:
+        check_complex(red, t.dtype, "all_reduce")
         check_op_dtype(red, t.dtype, "all_reduce")
     if _call.flush_hooks:
         held, w = coalescing.try_hold(pg, ("all_reduce", t.dtype, int(red), factor), (t,), async_op)
@@ -165,7 +169,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     def fn() -> None:
         pg.transport.all_gather(src, st.buf, ctx)
         st.finish()
-    return _call.launch(pg, op, fn, ctx, [out], async_op)
+    return _call.launch(pg, op, fn, ctx, [out], async_op, inputs=[inp])
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
@@ -227,7 +231,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     def fn() -> None:
         pg.transport.all_to_all(_bytes(src), in_b, _bytes(st.buf), out_b, ctx)
         st.finish()
-    return _call.launch(pg, name, fn, ctx, [out], async_op)
+    return _call.launch(pg, name, fn, ctx, [out], async_op, inputs=[inp])
 
 
 def _rows(t: torch.Tensor) -> int:
@@ -292,15 +296,20 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None,
 def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
     """A barrier that, on timeout, raises naming every rank that did not arrive.
 
-    Unlike torch's, every transport reports all missing ranks (``wait_all_ranks``
-    is accepted for compatibility and always in effect).
+    The error starts with torch's text ("Rank 1 failed to pass monitoredBarrier in 2000 ms";
+    ``wait_all_ranks=True``: "Ranks 1, 2 failed ..."), then ringlet's report, which names every
+    missing rank whatever ``wait_all_ranks`` says.
     """
     pg = _call.resolve(group, "monitored_barrier")
     if pg is None:
         return
-    seconds = _seconds(timeout, "monitored_barrier")
+    zero = timeout == 0 or isinstance(timeout, timedelta) and not timeout  # torch: fail at once
+    seconds = 0.0 if zero and not isinstance(timeout, bool) else _seconds(timeout, "monitored_barrier")
     ctx = pg.context("monitored_barrier")
     if seconds is not None:
         ctx.timeout = seconds
         ctx.deadline = ctx.started + seconds
-    _call.launch(pg, "monitored_barrier", lambda: pg.transport.barrier(ctx), ctx, [], False)
+    try:
+        _call.launch(pg, "monitored_barrier", lambda: pg.transport.barrier(ctx), ctx, [], False)
+    except CollectiveTimeoutError as e:
+        raise debug.monitored_barrier_error(pg, e, seconds, wait_all_ranks) from None

@@ -14,6 +14,7 @@ who is missing, and the line the missing rank is executing.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -24,6 +25,8 @@ import time
 import traceback
 from types import FrameType
 from typing import Any
+
+from ringlet import _env
 
 log = logging.getLogger("ringlet")
 
@@ -65,14 +68,62 @@ def _short(path: str) -> str:
     return path.removeprefix(cwd)
 
 
+class DebugLevel(enum.IntEnum):
+    """torch's debug levels: ``OFF``; ``INFO`` (set-up and per-group summaries are logged);
+    ``DETAIL`` (every collective's arguments are compared across ranks before it runs)."""
+
+    OFF = 0
+    INFO = 1
+    DETAIL = 2
+
+
+_level: list[DebugLevel | None] = [None]     # set_debug_level's choice; None: the environment's
+
+
+def get_debug_level() -> DebugLevel:
+    """The debug level: what ``set_debug_level`` chose, else ``RINGLET_DEBUG`` /
+    ``TORCH_DISTRIBUTED_DEBUG`` (``set_debug_level_from_env`` returns to the environment's)."""
+    level = _level[0]
+    return level if level is not None else DebugLevel[_env.debug_level()]
+
+
+def set_level(level: DebugLevel | int | str | None) -> DebugLevel:
+    """Record the process's debug level (None: read the environment again); returns it."""
+    if level is None:
+        _level[0] = None
+        return get_debug_level()
+    if isinstance(level, str):
+        try:
+            value = DebugLevel[level.strip().upper()]
+        except KeyError:
+            raise ValueError(f"set_debug_level: expected OFF, INFO or DETAIL, got {level!r}") from None
+    else:
+        try:
+            value = DebugLevel(int(level))
+        except (ValueError, TypeError):
+            raise ValueError(f"set_debug_level: expected a DebugLevel, got {level!r}") from None
+    _level[0] = value
+    setup_logging(value.name)
+    return value
+
+
+def detail_enabled() -> bool:
+    return get_debug_level() == DebugLevel.DETAIL
+
+
 def setup_logging(level: str) -> None:
-    if level == "OFF":
+    """Route ringlet's log to stderr at ``TORCH_CPP_LOG_LEVEL``'s level, or INFO when the debug
+    level asks for more."""
+    wanted = _env.log_level()
+    if level != "OFF":
+        wanted = min(wanted or logging.INFO, logging.INFO)
+    if wanted is None:
         return
     if not log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[ringlet %(levelname)s] %(message)s"))
         log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    log.setLevel(wanted)
 
 
 # -- watchdog -----------------------------------------------------------------------------
@@ -90,8 +141,6 @@ class Watchdog:
         self._thread.start()
 
     def _loop(self) -> None:
-        from ringlet import _env
-
         period = _env.straggler_report_period()
         next_report = time.monotonic() + period
         last_wait: dict[str, float] = {}
@@ -121,10 +170,11 @@ class Watchdog:
 
     def state(self, req: int) -> dict[str, Any]:
         frame = sys._current_frames().get(self._ident)
-        stack = traceback.format_stack(frame, limit=12) if frame is not None else []
+        full = _env.show_stacktraces()
+        stack = traceback.format_stack(frame, limit=None if full else 12) if frame is not None else []
         return {
             "req": req, "rank": self._rank, "pid": os.getpid(), "host": socket.gethostname(),
-            "where": user_frame(frame), "stack": "".join(stack)[-3000:],
+            "where": user_frame(frame), "stack": "".join(stack)[-(20000 if full else 3000):],
             "groups": {pg.group_name: pg.debug_state() for pg in list(self._groups)},
         }
 
@@ -201,7 +251,34 @@ def format_report(pg: Any, states: dict[int, dict[str, Any]], missing: list[int]
         summary.append(f"rank {gr} completed #{g.get('done', 0)} and is at {s.get('where') or '?'}")
     if summary:
         lines.insert(1, "  => " + "; ".join(summary))
+    if _env.show_stacktraces():        # TORCH_SHOW_CPP_STACKTRACES=1: every rank's stack, in full
+        for gr, s in sorted(states.items()):
+            lines.append(f"  stack of rank {gr}:\n" + "".join(f"    {ln}\n" for ln in
+                                                             s.get("stack", "").splitlines()).rstrip())
     return "\n".join(lines)
+
+
+def monitored_barrier_error(pg: Any, err: Any, seconds: float | None, wait_all_ranks: bool) -> Any:
+    """``err`` (a barrier timeout naming the missing ranks) with torch's text first, which scripts
+    search for: on the group's first rank "Rank 2 failed to pass monitoredBarrier in 2000 ms"
+    ("Ranks 1, 2 ..." with ``wait_all_ranks``); on the others "Rank 1 successfully reached
+    monitoredBarrier, but received errors while waiting for send/recv from rank 0"; with no time
+    to wait at all, "Rank 0 timed out in monitoredBarrier after 0 ms".  ringlet's own report
+    (every missing rank, where each one is) follows on the next lines."""
+    context = dict(getattr(err, "context", {}))
+    missing = [pg.ranks[r] for r in context.get("missing", []) if isinstance(r, int) and 0 <= r < pg.size()]
+    me = pg.ranks[pg.rank()]
+    ms = round(1000 * (seconds if seconds is not None else pg.timeout))
+    if seconds is not None and seconds <= 0 or (pg.rank() == 0 and not missing):
+        head = f"Rank {me} timed out in monitoredBarrier after {ms} ms"
+    elif pg.rank() != 0:
+        head = (f"Rank {me} successfully reached monitoredBarrier, but received errors while waiting for "
+                f"send/recv from rank {pg.ranks[0]}")
+    elif wait_all_ranks:
+        head = f"Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in {ms} ms"
+    else:
+        head = f"Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms"
+    return type(err)(f"{head}\n{err}", **context)
 
 
 # -- DETAIL: check every collective's arguments across ranks before running it ---------------

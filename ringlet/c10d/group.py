@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ringlet.c10d import faults
+from ringlet.c10d.pg_methods import TorchGroupMethods
 from ringlet.c10d.work import Executor, Work
 from ringlet.errors import CollectiveTimeoutError, DistBackendError, GroupAbortedError
 from ringlet.transport.base import OpContext, Transport
@@ -29,15 +30,29 @@ from ringlet.transport.base import OpContext, Transport
 __all__ = ["ProcessGroup"]
 
 
-class ProcessGroup:
+HangReporter = Callable[["ProcessGroup", BaseException], str]
+DetailCheck = Callable[["ProcessGroup", OpContext, Any], None]
+
+
+class ProcessGroup(TorchGroupMethods):
     """Ranks ``ranks`` (global ranks, sorted) communicating over ``transport``.
 
     ``rank()`` and ``size()`` are this rank's position in the group and its size
-    (methods, as in torch).  Prints as ``ProcessGroup(rank 1/2, ranks [0, 1], shm)``.
+    (methods, as in torch); ``backend`` (and ``name()``) is the name the user gave,
+    ``transport_name`` what runs.  Prints as ``ProcessGroup(rank 1/2, ranks [0, 1], gloo on shm)``.
+    torch's method API (``pg.allreduce([t]).get_future()``, ...) comes from
+    :class:`~ringlet.c10d.pg_methods.TorchGroupMethods`.
+
+    Args:
+        hang_reporter: builds the merged hang report when a collective times out.
+        detail_check: run before every collective (debug level DETAIL) to compare its
+            arguments across ranks.
     """
 
     def __init__(self, name: str, ranks: list[int], group_rank: int, transport: Transport,
-                 timeout: float, backend: str, desc: str | None = None) -> None:
+                 timeout: float, backend: str, desc: str | None = None, *,
+                 transport_name: str | None = None, hang_reporter: HangReporter | None = None,
+                 detail_check: DetailCheck | None = None) -> None:
         self.group_name = name
         self.group_desc = desc or name
         self._ranks = list(ranks)
@@ -46,6 +61,7 @@ class ProcessGroup:
         self.transport = transport
         self.timeout = timeout
         self.backend = backend
+        self.transport_name = transport_name or backend
         self._seq = 0
         self._error: BaseException | None = None
         self._executor = Executor(f"ringlet-{self.group_desc}")
@@ -57,9 +73,10 @@ class ProcessGroup:
         self._elements: dict[str, int] = {}
         self._history: collections.deque[OpContext] = collections.deque(maxlen=16)
         self._done = 0               # sequence number of the last collective that completed here
-        # Set by the world (ringlet.c10d.world): merged hang report on timeout, DETAIL checks.
-        self.hang_reporter: Callable[[ProcessGroup, BaseException], str] | None = None
-        self.detail_check: Callable[[ProcessGroup, OpContext, Any], None] | None = None
+        # Given by the world (ringlet.c10d.world): merged hang report on timeout, DETAIL checks
+        # (set_debug_level switches the latter on live groups).
+        self.hang_reporter = hang_reporter
+        self.detail_check = detail_check
         self.destroyed = False
 
     # -- torch's accessors ----------------------------------------------------------------
@@ -77,7 +94,8 @@ class ProcessGroup:
         return list(self._ranks)
 
     def __repr__(self) -> str:
-        return f"ProcessGroup(rank {self._rank}/{self._size}, ranks {self._ranks}, {self.backend})"
+        on = "" if self.transport_name == self.backend else f" on {self.transport_name}"
+        return f"ProcessGroup(rank {self._rank}/{self._size}, ranks {self._ranks}, {self.backend}{on})"
 
     # -- running operations -----------------------------------------------------------------
     def context(self, op: str, dtype: torch.dtype | None = None, numel: int = 0, root: int = -1,
@@ -124,11 +142,13 @@ class ProcessGroup:
                                     group=self.group_desc) from self._error
 
     def run(self, fn: Callable[[], None], ctx: OpContext, result: Any, async_op: bool,
-            guard: bool = True) -> Work | None:
+            guard: bool = True, label: str | None = None, inputs: Any = None) -> Work | None:
         """Run ``fn`` (which talks to the transport) in issue order; see the module docstring.
 
         ``guard=False`` says that no tensor involved requires grad, so the autograd guard
-        (~1 us on the latency path) can be skipped.
+        (~1 us on the latency path) can be skipped.  Under a profiler the op is one event
+        named ``<backend>:<label>`` (default label: ``ctx.op``) recording ``inputs``
+        (default: ``result``), see [Note: profiler events].
         """
         if self._fault is not None:
             self._fault.maybe_fire(ctx)
@@ -138,16 +158,30 @@ class ProcessGroup:
         self._history.append(ctx)
         if self.detail_check is not None:
             fn = self._with_detail_check(fn, ctx, result)
-        if not async_op and self._executor.pending == 0:
+        profiling = torch._C._autograd._profiler_enabled()
+        if not async_op and not profiling and self._executor.pending == 0:
             self._call(fn, guard)
             self._done = ctx.seq
             return None
         work = Work(result, op=f"{ctx.op} #{ctx.seq}", bound=self.timeout)
+        if profiling:
+            self._begin_event(f"{self.backend}:{label or op}", result if inputs is None else inputs, work)
         self._executor.submit(lambda: self._call_queued(fn, ctx), work)
         if async_op:
             return work
         work.wait()
         return None
+
+    @staticmethod
+    def _begin_event(name: str, inputs: Any, work: Work) -> None:
+        """[Note: profiler events] Under ``torch.profiler``/``torch.autograd.profiler`` every
+        operation is one event named ``"<backend>:<op>"`` (``"gloo:all_reduce"``, as torch
+        names them) recording its input shapes (complex tensors as their real view).  The op
+        then runs on a communication thread and its event ends when the op completes there,
+        so it is an asynchronous span, as torch's are."""
+        tensors = [torch.view_as_real(t) if t.is_complex() else t for t in _tensors(inputs)]
+        handle = torch._C._autograd._record_function_with_args_enter(name, *tensors)
+        torch.ops.profiler._call_end_callbacks_on_jit_fut(handle, work.get_future())
 
     def _call_queued(self, fn: Callable[[], None], ctx: OpContext) -> None:
         self._call(fn, False)   # the communication thread runs without grad
@@ -166,7 +200,7 @@ class ProcessGroup:
         return checked
 
     def run_p2p(self, fn: Callable[[Work], None], peer: int, direction: str, ctx: OpContext,
-                result: Any) -> Work:
+                result: Any, label: str | None = None) -> Work:
         """Queue a send/recv on the (peer, direction) thread; returns its Work."""
         key = (peer, direction)
         with self._p2p_lock:
@@ -174,6 +208,8 @@ class ProcessGroup:
             if ex is None:
                 ex = self._p2p[key] = Executor(f"ringlet-{self.group_desc}-{direction}-{peer}")
         work = Work(result, op=f"{ctx.op} peer {peer}", bound=self.timeout)
+        if torch._C._autograd._profiler_enabled():
+            self._begin_event(f"{self.backend}:{label or ctx.op}", result, work)
         ex.submit(lambda: self._call(lambda: fn(work), False), work)
         return work
 
@@ -224,3 +260,12 @@ class ProcessGroup:
         for ex in list(self._p2p.values()):
             ex.close(timeout=1.0)
         self.transport.close()
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors in ``x`` (a tensor or nested lists of them), in order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []

@@ -16,7 +16,7 @@ import torch
 
 from ringlet.c10d import _call, checks
 from ringlet.c10d.group import ProcessGroup
-from ringlet.c10d.reduce_op import ReduceOp, resolve_op
+from ringlet.c10d.reduce_op import ReduceOp, check_complex, resolve_op
 from ringlet.c10d.work import Work
 from ringlet.transport.reduce import check_op_dtype
 
@@ -51,22 +51,28 @@ def _same_numel(op: str, arg: str, ts: list[torch.Tensor], want: int, like: str)
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = ReduceOp.SUM, group: Any = None,
                          async_op: bool = False) -> Work | None:
-    """All-reduce several tensors of one dtype as one flat buffer."""
+    """All-reduce several tensors at once: one flat buffer per dtype (in order of first use)."""
     name = "all_reduce_coalesced"
     pg = _call.resolve(group, name)
     if pg is None:
         return None
     ts = checks.tensor_list(tensors, name, "tensors", None, pg.transport.devices, out=True)
-    checks.same_dtype(name, ts[0].dtype, ts, "tensors", "tensors[0]")
     red, factor = resolve_op(op, name)
-    check_op_dtype(red, ts[0].dtype, name)
-    flat = _flat(ts)
-    ctx = pg.context("all_reduce", dtype=flat.dtype, numel=flat.numel(), redop=int(red))
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in ts:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype in by_dtype:
+        check_complex(red, dtype, name)
+        check_op_dtype(red, dtype, name)
+    parts = [(_flat(group_ts), group_ts) for group_ts in by_dtype.values()]
+    ctxs = [pg.context("all_reduce", dtype=flat.dtype, numel=flat.numel(), redop=int(red))
+            for flat, _ in parts]
 
     def fn() -> None:
-        pg.transport.all_reduce(flat, red, factor, ctx)
-        _unflatten(flat, ts)
-    return _call.launch(pg, name, fn, ctx, ts, async_op)
+        for (flat, group_ts), ctx in zip(parts, ctxs):
+            pg.transport.all_reduce(flat, red, factor, ctx)
+            _unflatten(flat, group_ts)
+    return _call.launch(pg, name, fn, ctxs[-1], ts, async_op)
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
@@ -92,7 +98,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
     def fn() -> None:
         pg.transport.all_gather(src, flat, ctx)
         _unflatten(flat, outs)
-    return _call.launch(pg, "all_gather", fn, ctx, outs, async_op)
+    return _call.launch(pg, "all_gather", fn, ctx, outs, async_op, inputs=[inp])
 
 
 def _uneven_all_gather(pg: ProcessGroup, outs: list[torch.Tensor], inp: torch.Tensor,
@@ -146,7 +152,7 @@ def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_te
         pg.transport.all_gather(flat_in, flat_out, ctx)
         for r, o in enumerate(outs):
             _unflatten(flat_out, o, r * n)
-    return _call.launch(pg, name, fn, ctx, outs, async_op)
+    return _call.launch(pg, name, fn, ctx, outs, async_op, inputs=ins)
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM,
@@ -197,7 +203,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     def fn() -> None:
         pg.transport.all_to_all(flat_in.view(torch.uint8), in_b, flat_out.view(torch.uint8), out_b, ctx)
         _unflatten(flat_out, outs)
-    return _call.launch(pg, "all_to_all", fn, ctx, outs, async_op)
+    return _call.launch(pg, "all_to_all", fn, ctx, outs, async_op, inputs=ins)
 
 
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int | None = None,

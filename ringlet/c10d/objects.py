@@ -266,7 +266,9 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     if pg is None:
         return
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
-        raise ValueError("scatter_object_list: scatter_object_output_list: expected a list of at least 1 entry")
+        raise ValueError("Expected argument scatter_object_output_list to be a list of size at least 1. "
+                         "(scatter_object_list: scatter_object_output_list: expected a list of at least "
+                         f"1 entry, got {scatter_object_output_list!r})")
     root = C.peer_rank(pg, src, group_src, "scatter", "src")
     n = pg.size()
     me = pg.rank() == root

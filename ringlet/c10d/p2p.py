@@ -140,9 +140,10 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         raise checks.fail(ValueError, "batch_isend_irecv", "p2p_op_list",
                           f"expected a non-empty list of P2POp, got {p2p_op_list!r}")
     for i, p in enumerate(p2p_op_list):
-        if not isinstance(p, P2POp):
-            raise checks.fail(TypeError, "batch_isend_irecv", f"p2p_op_list[{i}]",
-                              f"expected a P2POp, got {type(p).__name__}")
+        if not isinstance(p, P2POp):      # torch's ValueError and text first: scripts catch them
+            raise ValueError("Invalid ``p2p_op_list``. Each op is expected to be a ``P2POp``: " + str(  # noqa: TRY004
+                checks.fail(ValueError, "batch_isend_irecv", f"p2p_op_list[{i}]",
+                            f"expected a P2POp, got {type(p).__name__}")))
         _check_op(p, i)
     works: list[Work] = []
     for p in p2p_op_list:

@@ -9,7 +9,7 @@ import torch
 from ringlet.transport.reduce import RedOpType
 from ringlet.transport.reduce import RedOpType as _RedOpType
 
-__all__ = ["ReduceOp", "_make_nccl_premul_sum", "reduce_op", "resolve_op"]
+__all__ = ["ReduceOp", "_make_nccl_premul_sum", "check_complex", "reduce_op", "resolve_op"]
 
 
 class ReduceOp:
@@ -93,3 +93,15 @@ def resolve_op(op: Any, opname: str) -> tuple[RedOpType, float | None]:
             raise ValueError(f"{opname}: PREMUL_SUM needs a factor; use _make_nccl_premul_sum(factor)")
         return red, None
     raise TypeError(f"{opname}: expected a ReduceOp, got {type(op).__name__} {op!r}")
+
+
+_COMPLEX_OPS = (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)
+
+
+def check_complex(red: RedOpType, dtype: torch.dtype, opname: str) -> None:
+    """Refuse an order-based or bitwise reduction of complex tensors with torch's error
+    (``ValueError: all_reduce does not support ReduceOp.MAX on complex tensors``)."""
+    if dtype.is_complex and red not in _COMPLEX_OPS:
+        raise ValueError(f"all_reduce does not support ReduceOp.{red.name} on complex tensors "
+                         f"({opname}: dtype {str(dtype).removeprefix('torch.')}); expected ReduceOp.SUM, "
+                         "AVG or PREMUL_SUM")

@@ -46,8 +46,7 @@ def stats(group: Any = None) -> dict[str, Any] | list[dict[str, Any]]:
         pg = resolve_group(group)
         return debug.group_stats(pg) if pg is not None else {}
     w = current_world()
-    assert w is not None
-    return [debug.group_stats(pg) for pg in w.groups]
+    return [debug.group_stats(pg) for pg in w.groups] if w is not None else []
 
 
 def report_stragglers(group: Any = None, print_on: int = 0) -> list[str]:

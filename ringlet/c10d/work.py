@@ -87,8 +87,11 @@ class Work:
         return self._result
 
     def source_rank(self) -> int:
+        """The global rank a completed receive got its message from (``irecv`` from any rank)."""
         self.wait()
         return self._src
+
+    _source_rank = source_rank     # torch's (private) spelling, which published code calls
 
     def synchronize(self) -> None:
         self.wait()

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import logging
 import threading
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +23,7 @@ from ringlet import _env
 from ringlet.c10d import debug
 from ringlet.c10d.group import ProcessGroup
 from ringlet.c10d.rendezvous import check_ranks, rendezvous, store_from_init_method
-from ringlet.errors import DistBackendError
+from ringlet.transport import select
 
 __all__ = [
     "GroupMember",
@@ -45,30 +46,33 @@ __all__ = [
     "resolve_group",
 ]
 
-_BACKENDS = ("auto", "shm", "inproc")
-
-
 @dataclasses.dataclass
 class _World:
+    """Everything one rank's default world holds ([Note: where the world lives])."""
+
     rank: int
     world_size: int
-    store: Any
-    backend: str
+    store: Any                      # the world's prefixed store (``ringlet/<run>init<n>``)
+    backend: str                    # canonical transport spec (``ringlet.transport.select``)
+    backend_name: str               # what get_backend() answers (the name the user gave)
     timeout: float
     hosts: list[str]
+    raw_store: Any = None           # the store the user (or init_method) gave
     default_pg: ProcessGroup | None = None
     groups: list[ProcessGroup] = dataclasses.field(default_factory=list)
     group_counts: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
     owns_store: bool = False
     watchdog: Any = None
+    meshes: list[Any] = dataclasses.field(default_factory=list)   # weakrefs to root DeviceMeshes
 
 
 _process_world: list[_World | None] = [None]
 _thread_world: contextvars.ContextVar[_World | None] = contextvars.ContextVar("ringlet_world", default=None)
 _thread_mode: contextvars.ContextVar[bool] = contextvars.ContextVar("ringlet_thread_mode", default=False)
-# Inits per (store server, rank): every rank re-initializes on a store as often as the others, so
-# the count gives all ranks the same fresh key prefix (stale keys of an earlier init are never read).
+# Inits per (store, rank): every rank re-initializes on a store as often as the others, so the
+# count gives all ranks the same fresh key prefix (stale keys of an earlier init are never read).
 _init_counts: dict[tuple[str, int], int] = {}
+_store_counts: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
 
 
 def _next_init_count(store: Any, rank: int) -> int:
@@ -76,7 +80,12 @@ def _next_init_count(store: Any, rank: int) -> int:
         key = (f"tcp:{store.host}:{store.port}", rank)
         _init_counts[key] = _init_counts.get(key, 0) + 1
         return _init_counts[key]
-    counts = store.__dict__.setdefault("_ringlet_inits", {})
+    try:
+        counts = _store_counts.setdefault(store, {})
+    except TypeError:      # a store that cannot be weakly referenced: count by identity
+        key = (f"id:{id(store)}", rank)
+        _init_counts[key] = _init_counts.get(key, 0) + 1
+        return _init_counts[key]
     counts[rank] = counts.get(rank, 0) + 1
     return counts[rank]
 
@@ -86,6 +95,14 @@ def current_world(required: bool = True) -> _World | None:
     if w is None and required:
         raise ValueError("Default process group has not been initialized, please make sure to call "
                          "init_process_group.")
+    return w
+
+
+def _world() -> _World:
+    """The current world; raises (torch's message) when there is none."""
+    w = current_world()
+    if w is None:  # pragma: no cover - current_world raised
+        raise AssertionError("no world")
     return w
 
 
@@ -141,6 +158,14 @@ def resolve_group(g: Any) -> ProcessGroup | None:
     raise TypeError(f"group: expected a ProcessGroup (from new_group) or None, got {type(g).__name__}")
 
 
+def _member(group: Any, op: str) -> ProcessGroup:
+    """The group of a query that needs membership (torch's wording, then ours)."""
+    pg = resolve_group(group)
+    if pg is None:
+        raise ValueError(f"Invalid process group specified: {op}: this rank is not a member of the group")
+    return pg
+
+
 def _timeout_seconds(timeout: timedelta | float | None) -> float:
     if timeout is None:
         return _env.timeout_seconds()
@@ -150,53 +175,11 @@ def _timeout_seconds(timeout: timedelta | float | None) -> float:
     return seconds
 
 
-CUDA_NCCL = ",cuda:nccl"     # suffix of a canonical backend whose CUDA tensors go to torch's NCCL
-
-
-def _parse_backend(backend: str | None) -> str:
-    """Canonical backend name: ``auto``, ``shm``, ``tcp``, ``inproc``, or a torch engine
-    (``torch:gloo``, ``torch:nccl``, ``torch:gloo,nccl`` for CPU and CUDA tensors), or one of
-    ringlet's followed by ``,cuda:nccl`` (CUDA tensors on torch's NCCL: ``transport.split``).
-
-    torch's ``gloo`` maps to ringlet's own transports (``auto``), so a script moved by text
-    substitution runs on them; ``torch:gloo`` selects torch's own engine.  Per-device strings give
-    each device type its backend: ``cpu:gloo,cuda:nccl`` -> ``auto,cuda:nccl``,
-    ``cpu:torch:gloo,cuda:torch:nccl`` -> ``torch:gloo,nccl``.
-    """
-    ours = ("auto", "shm", "tcp", "inproc")
-    name = (backend or "auto").strip().lower()
-    if "," in name or name.split(":", 1)[0] in ("cpu", "cuda"):
-        parts: dict[str, str] = {}
-        for part in name.split(","):
-            dev, sep, val = part.strip().partition(":")
-            if not sep or dev not in ("cpu", "cuda") or not val:
-                raise ValueError(f"init_process_group: backend: expected 'device:backend' entries such as "
-                                 f"'cpu:torch:gloo,cuda:torch:nccl', got {backend!r}")
-            parts[dev] = val
-        cpu, cuda = parts.get("cpu", "auto"), parts.get("cuda")
-        if cpu == "nccl" or cpu == "torch:nccl":
-            raise ValueError(f"init_process_group: backend: nccl serves CUDA tensors, not 'cpu' ({backend!r})")
-        if cuda is not None and cuda not in ("nccl", "torch:nccl"):
-            raise ValueError(f"init_process_group: backend: cuda: expected 'nccl' (torch's NCCL engine, "
-                             f"through ringlet's adapter), got {cuda!r} in {backend!r}")
-        if cpu == "torch:gloo":
-            return "torch:gloo,nccl" if cuda else "torch:gloo"
-        base = _parse_backend(cpu) if "," not in cpu and not cpu.startswith(("cpu:", "cuda:")) else "?"
-        if base == "?":
-            raise ValueError(f"init_process_group: backend: expected 'device:backend' entries, got {backend!r}")
-        return f"{base}{CUDA_NCCL}" if cuda else base
-    if name in ("gloo", "mpi", "undefined"):
-        return "auto"   # ringlet's own transports serve CPU tensors (see docs/usage.md)
-    if name == "nccl":
-        raise ValueError("init_process_group: backend 'nccl': ringlet's transports serve CPU tensors; "
-                         "'torch:nccl' selects torch's NCCL engine through the adapter (CUDA needed), "
-                         "'auto' or 'gloo' ringlet's own")
-    if name in ("torch:gloo", "torch:nccl"):
-        return name
-    if name not in ours:
-        raise ValueError(f"init_process_group: backend: expected one of {ours + ('gloo', 'torch:gloo', 'torch:nccl')} "
-                         f"or a per-device string like 'cpu:torch:gloo,cuda:torch:nccl', got {backend!r}")
-    return name
+def _user_name(backend: str | None, resolved: str) -> str:
+    """What get_backend() answers: the name given (lower case, as torch answers), or -- for
+    ringlet's ``auto`` policy (the default) -- the transport it chose."""
+    given = (backend or "").strip().lower()
+    return resolved if given in ("", "auto") else given
 
 
 def init_process_group(backend: str | None = None, init_method: str | None = None,
@@ -206,9 +189,11 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     """Join the default process group (torch's signature).
 
     Args:
-        backend: ``"auto"`` (default: shared memory among the ranks of a host),
-            ``"shm"``, ``"inproc"`` (ranks are threads; ``ringlet.testing``), or
-            torch's ``"gloo"`` / ``"cpu:gloo,cuda:nccl"`` spellings, which map to ``"auto"``.
+        backend: ``"auto"`` (default: shared memory among the ranks of a host, tcp among
+            hosts), ``"shm"``, ``"tcp"``, ``"inproc"`` (ranks are threads; ``ringlet.testing``),
+            torch's ``"gloo"`` (ringlet's ``auto``), ``"cpu:gloo,cuda:nccl"``, torch's engines
+            ``"torch:gloo"``/``"torch:nccl"``, or a name given to ``Backend.register_backend``.
+            ``get_backend()`` answers this name (for ``auto``: the transport chosen).
         init_method: ``env://`` (default: ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
             ``WORLD_SIZE``), ``tcp://host:port`` or ``file:///path``.
         timeout: deadline of every blocking call (default ``RINGLET_TIMEOUT`` or 300 s).
@@ -221,13 +206,13 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     Example::
 
         import ringlet.distributed as dist
-        dist.init_process_group()            # under ringlet-run
+        dist.init_process_group("gloo")      # under ringlet-run
         t = torch.ones(4); dist.all_reduce(t)
     """
     if current_world(required=False) is not None:
         raise ValueError("trying to initialize the default process group twice!")
-    debug.setup_logging(_env.debug_level())
-    name = _parse_backend(backend)
+    debug.setup_logging(debug.get_debug_level().name)
+    name = select.parse_backend(backend)
     seconds = _timeout_seconds(timeout)
     td = timedelta(seconds=seconds)
     owns = store is None
@@ -242,87 +227,32 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     count = _next_init_count(store, rank)
     root = PrefixStore(f"ringlet/{_env.run_prefix()}init{count}", store)
     hosts = rendezvous(root, rank, world_size, name, seconds)
-    w = _World(rank, world_size, root, name, seconds, hosts, owns_store=owns)
-    w._raw_store = store  # type: ignore[attr-defined]
-    w.default_pg = _attach_debug(w, _make_group(w, list(range(world_size)), "default_pg", name, seconds,
-                                                "default_pg"))
+    w = _World(rank, world_size, root, name, "", seconds, hosts, raw_store=store, owns_store=owns)
+    w.default_pg = _make_group(w, list(range(world_size)), "default_pg", name, backend, seconds,
+                               "default_pg")
+    w.backend_name = w.default_pg.backend
     w.watchdog = debug.Watchdog(root, rank, threading.get_ident(), w.groups)
     _set_world(w)
-    debug.log.info("rank %d/%d joined: backend %s (%s), timeout %.0f s, host %s", rank, world_size, name,
-                   w.default_pg.backend, seconds, hosts[rank])
+    debug.log.info("rank %d/%d joined: backend %s on transport %s, timeout %.0f s, host %s", rank,
+                   world_size, w.backend_name, w.default_pg.transport_name, seconds, hosts[rank])
 
 
-def _attach_debug(w: _World, pg: ProcessGroup) -> ProcessGroup:
-    """Give a new group the world's hang reporter and, with RINGLET_DEBUG=DETAIL, the cross-rank check."""
-    pg.hang_reporter = lambda g, err: debug.hang_report(w.store, g, err)
-    if _env.debug_level() == "DETAIL":
-        pg.detail_check = debug.detail_check
-    return pg
-
-
-def _make_group(w: _World, ranks: list[int], gid: str, backend: str, timeout: float,
+def _make_group(w: _World, ranks: list[int], gid: str, spec: str, given: str | None, timeout: float,
                 desc: str) -> ProcessGroup:
-    """Build the transport of a group: ``auto`` is shm on one host, tcp when every rank has a host
-    of its own, and shm within each host + tcp among hosts (``shm+tcp``) otherwise; a
-    ``,cuda:nccl`` suffix adds torch's NCCL for CUDA tensors (built at their first use)."""
+    """Open the group's transport (``ringlet.transport.select``) and build its ProcessGroup with
+    the world's hang reporter and, at debug level DETAIL, the cross-rank argument check."""
     from ringlet.store import PrefixStore
 
     me = ranks.index(w.rank)
     gstore = PrefixStore(f"pg/{gid}", w.store)
-    if backend.endswith(CUDA_NCCL):
-        from ringlet.transport.split import DeviceSplitTransport
-
-        main, resolved = _transport(w, ranks, me, gstore, backend.removesuffix(CUDA_NCCL), timeout, desc)
-        cuda_store = PrefixStore("cuda", gstore)
-        n = len(ranks)
-
-        def nccl() -> Any:          # at the first CUDA tensor: no torch.distributed import before
-            from ringlet.transport.torch_engine import TorchEngineTransport
-
-            return TorchEngineTransport.create(cuda_store, me, n, timeout, desc, "torch:nccl")
-        name = f"{resolved},cuda:torch:nccl"
-        split = DeviceSplitTransport(main, {"cuda": nccl}, name)
-        pg = ProcessGroup(gid, ranks, me, split, timeout, name, desc)
-        w.groups.append(pg)
-        return pg
-    transport, resolved = _transport(w, ranks, me, gstore, backend, timeout, desc)
-    pg = ProcessGroup(gid, ranks, me, transport, timeout, resolved, desc)
+    transport, resolved = select.open_transport(spec, gstore, me, [w.hosts[r] for r in ranks],
+                                                timeout, desc)
+    pg = ProcessGroup(gid, ranks, me, transport, timeout, _user_name(given, resolved), desc,
+                      transport_name=resolved,
+                      hang_reporter=lambda g, err: debug.hang_report(w.store, g, err),
+                      detail_check=debug.detail_check if debug.detail_enabled() else None)
     w.groups.append(pg)
     return pg
-
-
-def _transport(w: _World, ranks: list[int], me: int, gstore: Any, backend: str, timeout: float,
-               desc: str) -> tuple[Any, str]:
-    """The transport for ``backend`` (``auto`` resolved from where the ranks are) and its name."""
-    hosts = [w.hosts[r] for r in ranks]
-    resolved = backend
-    if backend == "auto":
-        distinct = len(set(hosts))
-        resolved = "shm" if distinct == 1 else "tcp" if distinct == len(ranks) else "shm+tcp"
-    transport: Any
-    if resolved == "shm":
-        from ringlet.transport.shm import ShmTransport
-
-        transport = ShmTransport.create(gstore, me, len(ranks), timeout, desc)
-    elif resolved == "inproc":
-        from ringlet.transport.inproc import InprocTransport
-
-        transport = InprocTransport.create(gstore, me, len(ranks), timeout, desc)
-    elif resolved == "tcp":
-        from ringlet.transport.tcp import TcpTransport
-
-        transport = TcpTransport.create(gstore, me, len(ranks), timeout, desc, host_keys=hosts)
-    elif resolved == "shm+tcp":
-        from ringlet.transport.hierarchical import HierarchicalTransport
-
-        transport = HierarchicalTransport.create(gstore, me, hosts, timeout, desc)
-    elif resolved.startswith("torch:"):
-        from ringlet.transport.torch_engine import TorchEngineTransport
-
-        transport = TorchEngineTransport.create(gstore, me, len(ranks), timeout, desc, resolved)
-    else:
-        raise DistBackendError(f"group {desc}: expected a known transport, got {resolved!r}")
-    return transport, resolved
 
 
 def destroy_process_group(group: Any = None) -> None:
@@ -344,9 +274,8 @@ def destroy_process_group(group: Any = None) -> None:
             debug.log.info("rank %d: %s: %s", w.rank, pg, debug.group_stats(pg))
         pg.destroy()
     w.groups.clear()
-    raw = getattr(w, "_raw_store", None)
-    if w.owns_store and raw is not None and hasattr(raw, "close"):
-        raw.close()
+    if w.owns_store and w.raw_store is not None and hasattr(w.raw_store, "close"):
+        w.raw_store.close()
     _set_world(None)
 
 
@@ -370,10 +299,15 @@ def get_world_size(group: Any = None) -> int:
 
 
 def get_backend(group: Any = None) -> str:
-    pg = resolve_group(group)
-    if pg is None:
-        raise ValueError("get_backend: this rank is not a member of the group")
-    return pg.backend
+    """The backend name of ``group`` as given to ``init_process_group``/``new_group`` (lower case,
+    like torch: ``"gloo"`` after ``init_process_group("gloo")``); for ``auto`` (the default), the
+    transport chosen (``"shm"``, ``"tcp"``, ``"shm+tcp"``).  The transport actually running is
+    ``group.transport_name`` and is shown by ``repr(group)`` and the INFO log.
+
+    Raises:
+        ValueError: this rank is not a member of ``group`` ("Invalid process group specified").
+    """
+    return _member(group, "get_backend").backend
 
 
 def get_default_backend_for_device(device: Any) -> str:
@@ -393,8 +327,7 @@ def new_group(ranks: list[int] | None = None, timeout: timedelta | None = None, 
     (members only with ``use_local_synchronization=True``); non-members get
     ``GroupMember.NON_GROUP_MEMBER``.  ``sort_ranks=False`` keeps the order given: group rank
     ``i`` is ``ranks[i]`` (every member must pass the same order)."""
-    w = current_world()
-    assert w is not None
+    w = _world()
     members = list(range(w.world_size) if ranks is None else ranks)
     if sort_ranks:
         members.sort()
@@ -409,18 +342,17 @@ def new_group(ranks: list[int] | None = None, timeout: timedelta | None = None, 
     gid = hashlib.sha1(repr(key).encode()).hexdigest()[:12] + f"-{count}"
     if w.rank not in members:
         return GroupMember.NON_GROUP_MEMBER
-    name = _parse_backend(backend) if backend else w.backend
+    spec = select.parse_backend(backend) if backend else w.backend
     seconds = _timeout_seconds(timeout) if timeout is not None else w.timeout
     desc = group_desc or f"group{members}"
-    return _attach_debug(w, _make_group(w, members, gid, name, seconds, desc))
+    return _make_group(w, members, gid, spec, backend or w.backend_name, seconds, desc)
 
 
 def new_subgroups(group_size: int | None = None, group: Any = None, timeout: timedelta | None = None,
                   backend: str | None = None, pg_options: Any = None,
                   group_desc: str | None = None) -> tuple[Any, list[Any]]:
     """Split the world into consecutive subgroups of ``group_size`` ranks; returns (mine, all)."""
-    w = current_world()
-    assert w is not None
+    w = _world()
     size = group_size if group_size is not None else int(__import__("os").environ.get("LOCAL_WORLD_SIZE", 0))
     if size <= 0 or w.world_size % size:
         raise ValueError(f"new_subgroups: group_size: expected a positive divisor of world size "
@@ -450,25 +382,19 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]], timeo
 
 
 def get_process_group_ranks(group: Any) -> list[int]:
-    pg = resolve_group(group)
-    if pg is None:
-        raise ValueError("get_process_group_ranks: this rank is not a member of the group")
+    pg = _member(group, "get_process_group_ranks")
     return pg.ranks
 
 
 def get_global_rank(group: Any, group_rank: int) -> int:
-    pg = resolve_group(group)
-    if pg is None:
-        raise ValueError("get_global_rank: this rank is not a member of the group")
+    pg = _member(group, "get_global_rank")
     if not 0 <= group_rank < pg.size():
         raise ValueError(f"get_global_rank: group_rank: expected 0 <= group_rank < {pg.size()}, got {group_rank}")
     return pg.ranks[group_rank]
 
 
 def get_group_rank(group: Any, global_rank: int) -> int:
-    pg = resolve_group(group)
-    if pg is None:
-        raise ValueError("get_group_rank: this rank is not a member of the group")
+    pg = _member(group, "get_group_rank")
     if global_rank not in pg.ranks:
         raise ValueError(f"get_group_rank: global rank {global_rank} is not part of group {pg.ranks}")
     return pg.ranks.index(global_rank)

@@ -9,6 +9,11 @@ from ringlet.c10d import *
 from ringlet.c10d import __all__ as _c10d_all
 from ringlet.c10d.collectives import all_gather_into_tensor as all_gather_single
 from ringlet.c10d.collectives import reduce_scatter_tensor as reduce_scatter_single
+from ringlet.c10d.world_info import (  # noqa: F401 - torch's private names that scripts call
+    _get_default_group,
+    _get_pg_config,
+    _rank_not_in_group,
+)
 from ringlet.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -27,5 +32,7 @@ __all__ = [
     *_c10d_all, "all_gather_single", "reduce_scatter_single", "DistError", "DistBackendError",
     "DistNetworkError", "DistStoreError", "CollectiveTimeoutError", "CollectiveMismatchError",
     "PeerFailureError", "GroupAbortedError", "TCPStore", "FileStore", "HashStore", "PrefixStore", "Store",
-    "DeviceMesh", "init_device_mesh", "GradBucket",
+    "DeviceMesh", "init_device_mesh", "GradBucket", "distributed_c10d",
 ]
+
+from ringlet.distributed import distributed_c10d  # the submodule, after the names it re-exports

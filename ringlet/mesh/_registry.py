@@ -22,9 +22,8 @@ __all__ = ["register", "restore_mesh"]
 
 def register(w: Any, mesh: DeviceMesh) -> None:
     """Remember root meshes per world so that unpickled DTensors find their live mesh."""
-    live = w.__dict__.setdefault("_ringlet_meshes", [])
-    live[:] = [r for r in live if r() is not None]
-    live.append(weakref.ref(mesh))
+    w.meshes[:] = [r for r in w.meshes if r() is not None]
+    w.meshes.append(weakref.ref(mesh))
 
 
 def restore_mesh(device_type: str, ranks: list[Any], names: tuple[str, ...] | None) -> DeviceMesh:
@@ -40,7 +39,7 @@ def restore_mesh(device_type: str, ranks: list[Any], names: tuple[str, ...] | No
                          "DeviceMesh is reattached to the current world), got none; call "
                          "init_process_group and build the mesh first")
     target = torch.tensor(ranks, dtype=torch.int64)
-    for ref in w.__dict__.get("_ringlet_meshes", []):
+    for ref in list(w.meshes):
         root = ref()
         if root is None or root._device_type != device_type:
             continue

@@ -1,0 +1,79 @@
+"""``all_reduce`` of a sparse COO tensor with ``ReduceOp.SUM`` (what torch's gloo backend offers).
+
+Every rank contributes its coalesced (indices, values); ranks exchange them with the dense
+collectives (sizes first, so that ranks may hold different numbers of entries), each rank adds
+the contributions in rank order -- so every rank ends with the same tensor -- and the result is
+written into the caller's tensor in place.  Indices received from peers are checked against the
+shape (``check_invariants``) before a sparse tensor is built from them: a peer's bad index is an
+error, never an out-of-bounds write.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ringlet.c10d.reduce_op import resolve_op
+from ringlet.c10d.work import Work, _Completed
+from ringlet.transport.reduce import RedOpType
+
+__all__ = ["all_reduce"]
+
+
+def all_reduce(pg: Any, tensor: torch.Tensor, op: Any, async_op: bool) -> Work | None:
+    """Sum the sparse COO ``tensor`` over ``pg`` in place (the collective runs synchronously;
+    with ``async_op`` the returned Work is already complete).
+
+    Raises:
+        ValueError: an op other than SUM, a tensor on a device the group cannot serve, or ranks
+            whose tensors differ in shape or sparse/dense dimensions.
+    """
+    red, _ = resolve_op(op, "all_reduce")
+    if red != RedOpType.SUM:
+        raise ValueError(f"all_reduce: tensor: a sparse COO tensor is reduced with ReduceOp.SUM only, got "
+                         f"ReduceOp.{red.name}")
+    if tensor.device.type not in pg.transport.devices:
+        raise ValueError(f"all_reduce: tensor: expected a tensor on {list(pg.transport.devices)}, got one "
+                         f"on {tensor.device}")
+    local = tensor.coalesce()
+    _check_same_layout(pg, local)
+    indices = _gather_uneven(pg, local.indices().reshape(-1))
+    values = _gather_uneven(pg, local.values().reshape(-1))
+    dense_shape = tuple(local.shape[local.sparse_dim():])
+    total = None
+    for idx, val in zip(indices, values):
+        part = torch.sparse_coo_tensor(idx.view(local.sparse_dim(), -1), val.view(-1, *dense_shape),
+                                       local.shape, dtype=local.dtype, check_invariants=True)
+        total = part if total is None else total + part
+    if total is None:  # pragma: no cover - a group has at least one rank
+        raise AssertionError("empty group")
+    with torch.no_grad():
+        tensor.copy_(total.coalesce())
+    return _Completed([tensor], op="all_reduce (sparse)") if async_op else None
+
+
+def _check_same_layout(pg: Any, t: torch.Tensor) -> None:
+    """Every rank holds a tensor of the same shape, sparse and dense dimensions."""
+    from ringlet.c10d.collectives import all_gather_into_tensor
+
+    for what, mine in (("sparse_dim, dense_dim", [t.sparse_dim(), t.dense_dim()]), ("shape", list(t.shape))):
+        local = torch.tensor(mine, dtype=torch.int64)
+        every = torch.empty(pg.size() * len(mine), dtype=torch.int64)
+        all_gather_into_tensor(every, local, group=pg)
+        for r, theirs in enumerate(every.view(pg.size(), -1).tolist()):
+            if theirs != mine:
+                raise ValueError(f"all_reduce: tensor: expected the same sparse layout on every rank; "
+                                 f"{what}: this rank {mine}, rank {pg.ranks[r]} {theirs}")
+
+
+def _gather_uneven(pg: Any, flat: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``flat`` (sizes may differ), in rank order."""
+    from ringlet.c10d.collectives import all_gather_into_tensor
+    from ringlet.c10d.list_collectives import all_gather
+
+    sizes = torch.empty(pg.size(), dtype=torch.int64)
+    all_gather_into_tensor(sizes, torch.tensor([flat.numel()], dtype=torch.int64), group=pg)
+    outs = [torch.empty(int(n), dtype=flat.dtype) for n in sizes.tolist()]
+    all_gather(outs, flat.contiguous(), group=pg)
+    return outs
