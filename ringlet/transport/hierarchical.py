@@ -24,8 +24,9 @@ The steps are stages of the one reduction ([Note: reductions]): the host steps s
 contribution (PREMUL_SUM) and fold without dividing (``partial``); the column step folds the
 hosts' partial results and divides once (``completing``: AVG by the whole group's size), as the
 flat path does.  Every host needs the same number of ranks (any numbering); other layouts, and
-tensors of ``FLAT_BYTES`` or less (one direct exchange beats three steps), use the flat path.  Inter-host bytes: about one tensor each way per host, in parallel over the columns,
-against ``2(n-1)/n`` tensors per *rank* for the flat path's reduce-scatter + all-gather.
+tensors of ``FLAT_BYTES`` or less (one direct exchange beats three steps), use the flat path.
+Inter-host bytes: about one tensor each way per host, in parallel over the columns, against
+``2(n-1)/n`` tensors per *rank* for the flat path's reduce-scatter + all-gather.
 """
 
 from __future__ import annotations

@@ -14,10 +14,11 @@ Selected by the backend name (see ``ringlet.transport.select``):
                                    script moved from torch by text substitution runs on them
 =================================  ===========================================================
 
-The engines rendezvous through the group's ringlet store (wrapped as a ``torch.distributed.Store``)
-and gloo listens on the address the tcp transport would use (``RINGLET_IFNAME`` or the one that
-reaches the store).  AVG and PREMUL_SUM are done as ringlet does them (scale, sum, divide: the
-pre- and post-scale of [Note: reductions]), since gloo has neither.  Results are the engine's: bit-identical to torch's, not necessarily to ringlet's
+The engines rendezvous through the group's ringlet store (wrapped as a
+``torch.distributed.Store``) and gloo listens on the address the tcp transport would use
+(``RINGLET_IFNAME`` or the one that reaches the store).  AVG and PREMUL_SUM are done as ringlet
+does them (scale, sum, divide: the pre- and post-scale of [Note: reductions]), since gloo has
+neither.  Results are the engine's: bit-identical to torch's, not necessarily to ringlet's
 rank-order folds.  torch's errors become ringlet's (``CollectiveTimeoutError`` for its timeouts,
 ``DistBackendError`` otherwise; ``TypeError`` for a dtype or op the engine refuses).
 """

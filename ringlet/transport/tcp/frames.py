@@ -1,21 +1,27 @@
-"""What the ``tcp`` transport's reader tracks per frame and per stream (see [Note: tcp routing]).
+"""How the ``tcp`` transport reads a connection's stream, and what it tracks per frame and stream.
 
 - :class:`Want`: a posted receive -- the exact header wanted, where the payload goes, and what
   to run once it is there;
 - :class:`Early`: a frame read into a private buffer because something behind it was wanted;
-- :class:`Inbound`: where the reader is in one connection's stream.
+- :class:`Inbound`: where the reader is in one connection's stream;
+- :func:`read_stream`: read a stream frame by frame; a :class:`Router` (the ``Inbox``, see
+  [Note: tcp routing]) decides where each frame goes.
 """
 
 from __future__ import annotations
 
+import os
 import select
 import socket
+import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from ringlet.transport._tcp_wire import HEADER, MAX_REASON
 
-__all__ = ["HSIZE", "Early", "Inbound", "Want", "read_reason"]
+__all__ = ["HSIZE", "Early", "Inbound", "Router", "Want", "drain", "pipe", "poke", "read_reason",
+           "read_stream"]
 
 HSIZE = HEADER.size
 
@@ -124,3 +130,99 @@ def read_reason(sock: socket.socket, nbytes: int) -> str:
             break
         data += chunk
     return data.decode("utf-8", "replace")
+
+
+class Router(Protocol):
+    """Where :func:`read_stream` reports a stream's events."""
+
+    def header(self, r: int, sock: socket.socket) -> bool:
+        """A header is complete in ``Inbound.hbuf``; False: stop reading this stream."""
+
+    def frame_done(self, r: int) -> None:
+        """The payload of the frame at the head of the stream is complete."""
+
+    def gone(self, r: int, why: str) -> None:
+        """The stream ended."""
+
+
+def read_stream(r: int, st: Inbound, sock: socket.socket, router: Router, cv: threading.Condition) -> bool:
+    """Read what ``sock`` (peer ``r``) has, frame by frame, until it would block or the frame at
+    the head is held; True if anything came.  Non-blocking; ``cv`` is the router's lock."""
+    progressed = False
+    try:
+        while True:
+            if st.header is None:
+                n = sock.recv_into(memoryview(st.hbuf)[st.hgot:])
+                if n == 0:
+                    router.gone(r, "eof")
+                    return True
+                progressed = True
+                st.hgot += n
+                if st.hgot < HSIZE:
+                    continue
+                if not router.header(r, sock):
+                    return True
+                continue
+            if st.held:
+                return progressed
+            if st.got < st.nbytes:
+                n = _fill(st, sock, cv)
+                if n < 0:                        # not routed after all: leave it held
+                    return progressed
+                if n == 0:
+                    router.gone(r, "eof")
+                    return True
+                progressed = True
+                st.got += n
+                if st.got < st.nbytes:
+                    continue
+            router.frame_done(r)
+            progressed = True
+    except BlockingIOError:
+        return progressed
+    except OSError as e:
+        router.gone(r, f"reset ({type(e).__name__}: {e})")
+        return True
+
+
+def _fill(st: Inbound, sock: socket.socket, cv: threading.Condition) -> int:
+    """One ``recv_into`` of the payload ([busy / discard]); -1 when it has no destination."""
+    st.busy = True
+    try:
+        if st.discard:                   # the owner left: the rest goes to scratch
+            st.dest = memoryview(bytearray(st.nbytes))   # (the reader's own fields)
+            st.discard = False
+            st.owner = None
+        dest = st.dest
+        if dest is None:
+            return -1
+        return sock.recv_into(dest[st.got:])
+    finally:
+        st.busy = False
+        if st.watched:
+            with cv:
+                cv.notify_all()
+
+
+# -- wake-up pipes ------------------------------------------------------------------------------
+def pipe() -> tuple[int, int]:
+    """A non-blocking pipe (read end, write end) used as a wake-up."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    return r, w
+
+
+def drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def poke(fd: int) -> None:
+    try:
+        os.write(fd, b".")
+    except OSError:               # full (the waiter will look anyway) or closed
+        pass

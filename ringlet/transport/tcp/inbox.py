@@ -38,35 +38,22 @@ from collections.abc import Iterable
 
 from ringlet.transport._tcp_mesh import Peer
 from ringlet.transport._tcp_wire import ABORT, BYE, DATA, FRAME_MAGIC, parse_header
-from ringlet.transport.tcp.frames import HSIZE, Early, Inbound, Want, read_reason
+from ringlet.transport.tcp.frames import (
+    Early,
+    Inbound,
+    Want,
+    drain,
+    pipe,
+    poke,
+    read_reason,
+    read_stream,
+)
 
 __all__ = ["Inbox"]
 
 _JOIN_S = 2.0
 _REPOLL_MS = 50            # the reader thread re-reads its watch list at least this often
 _HUP = select.POLLHUP | select.POLLERR
-
-
-def _pipe() -> tuple[int, int]:
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    os.set_blocking(w, False)
-    return r, w
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
-
-
-def _poke(fd: int) -> None:
-    try:
-        os.write(fd, b".")
-    except OSError:               # full (the waiter will look anyway) or closed
-        pass
 
 
 class Inbox:
@@ -93,8 +80,8 @@ class Inbox:
         self.aborted_by: dict[int, str] = {}        # peer -> reason of its ABORT frame
         self.desync: set[int] = set()               # streams out of step (bad header)
         self._fd_rank = {p.fd: r for r, p in peers.items()}
-        self.notify_fd, self._notify_w = _pipe()    # a collective's wake-up
-        self._wake_r, self._wake_w = _pipe()        # the reader thread's wake-up
+        self.notify_fd, self._notify_w = pipe()    # a collective's wake-up
+        self._wake_r, self._wake_w = pipe()        # the reader thread's wake-up
         self._closing = False
         self.rd = threading.Lock()                  # held by whoever reads the connections
         self.pump_reads = False                     # a running collective holds ``rd``
@@ -187,6 +174,12 @@ class Inbox:
                 self.cv.wait(remaining)
             st.watched = False
 
+    def out_of_step(self, r: int) -> None:
+        """The stream from ``r`` cannot be trusted any more (a receive got a header it did not expect)."""
+        with self.cv:
+            self.desync.add(r)
+            self.cv.notify_all()
+
     def next_completed(self) -> Want | None:
         """The next collective receive the reader completed (for the running collective)."""
         with self.cv:
@@ -269,7 +262,7 @@ class Inbox:
                         poller.register(fd, ev)
                         registered[fd] = ev
                 events = poller.poll(_REPOLL_MS)   # bounded: the watch list may change meanwhile
-                _drain(self._wake_r)
+                drain(self._wake_r)
                 if not self.rd.acquire(blocking=False):
                     continue                       # a collective reads now
                 try:
@@ -290,66 +283,15 @@ class Inbox:
     # -- reading one stream ---------------------------------------------------------------------
     def _read(self, r: int) -> bool:
         """Read what connection ``r`` has, frame by frame, until it would block or is held."""
-        p, st = self.peers[r], self.inb[r]
+        p = self.peers[r]
         if p.gone is not None or r in self.desync or r in self.aborted_by:
             return False
-        sock = p.sock
-        progressed = False
-        try:
-            while True:
-                if st.header is None:
-                    n = sock.recv_into(memoryview(st.hbuf)[st.hgot:])
-                    if n == 0:
-                        self._gone(r, "eof")
-                        return True
-                    progressed = True
-                    st.hgot += n
-                    if st.hgot < HSIZE:
-                        continue
-                    if not self._header(r, sock):
-                        return True
-                    continue
-                if st.held:
-                    return progressed
-                if st.got < st.nbytes:
-                    n = self._fill(st, sock)
-                    if n < 0:                        # not routed after all: leave it held
-                        return progressed
-                    if n == 0:
-                        self._gone(r, "eof")
-                        return True
-                    progressed = True
-                    st.got += n
-                    if st.got < st.nbytes:
-                        continue
-                self._frame_done(r)
-                progressed = True
-        except BlockingIOError:
-            return progressed
-        except OSError as e:
-            self._gone(r, f"reset ({type(e).__name__}: {e})")
-            return True
+        return read_stream(r, self.inb[r], p.sock, self, self.cv)
 
-    def _fill(self, st: Inbound, sock: socket.socket) -> int:
-        """One ``recv_into`` of the payload ([busy / discard]); -1 when it has no destination."""
-        st.busy = True
-        try:
-            if st.discard:                   # the owner left: the rest goes to scratch
-                st.dest = memoryview(bytearray(st.nbytes))   # (the reader's own fields)
-                st.discard = False
-                st.owner = None
-            dest = st.dest
-            if dest is None:
-                return -1
-            return sock.recv_into(dest[st.got:])
-        finally:
-            st.busy = False
-            if st.watched:
-                with self.cv:
-                    self.cv.notify_all()
-
-    def _header(self, r: int, sock: socket.socket) -> bool:
-        """A complete header arrived: route it.  False: stop reading ``r`` (ended or out of step)."""
+    # -- what the stream reader reports (``frames.read_stream``) ---------------------------------
+    def header(self, r: int, sock: socket.socket) -> bool:
+        """A complete header arrived from ``r``: route it.  False: stop reading ``r`` (ended or out
+        of step)."""
         st = self.inb[r]
         raw = bytes(st.hbuf)
         magic, kind, _seq, _w1, _numel, _idx, nbytes = parse_header(raw)
@@ -366,7 +308,7 @@ class Inbox:
             self.nudge()
             return False
         if kind == BYE:
-            self._gone(r, "bye")
+            self.gone(r, "bye")
             return False
         st.header, st.kind, st.nbytes = raw, kind, nbytes
         with self.cv:
@@ -427,7 +369,8 @@ class Inbox:
             if not st.held:
                 self._wake_reader()
 
-    def _frame_done(self, r: int) -> None:
+    def frame_done(self, r: int) -> None:
+        """The payload of the frame at the head of ``r``'s stream is complete."""
         st = self.inb[r]
         with self.cv:
             owner = st.owner
@@ -461,7 +404,8 @@ class Inbox:
             self.p2p_want[r] = None
         self.cv.notify_all()
 
-    def _gone(self, r: int, why: str) -> None:
+    def gone(self, r: int, why: str) -> None:
+        """``r``'s stream ended (``why``: "eof", "bye", "reset ...")."""
         with self.cv:
             p = self.peers[r]
             p.gone = p.gone or why
@@ -471,11 +415,11 @@ class Inbox:
     # -- waking ---------------------------------------------------------------------------------
     def nudge(self) -> None:
         """Wake the running collective (its wait on :attr:`notify_fd`)."""
-        _poke(self._notify_w)
+        poke(self._notify_w)
 
     def drain(self) -> None:
         """The running collective woke up: empty :attr:`notify_fd`."""
-        _drain(self.notify_fd)
+        drain(self.notify_fd)
 
     def wake_all(self) -> None:
         """Every waiter looks at the transport's state again (after an abort or a close)."""
@@ -485,7 +429,7 @@ class Inbox:
 
     def _wake_reader(self) -> None:
         """Whoever reads should look again (a held frame got an owner, or closing)."""
-        _poke(self._notify_w if self.pump_reads else self._wake_w)
+        poke(self._notify_w if self.pump_reads else self._wake_w)
 
     def close(self) -> None:
         """Stop the reader thread (bounded); the sockets stay open for the caller to close."""
@@ -493,7 +437,7 @@ class Inbox:
             self._closing = True
             self._park.notify_all()
             self.cv.notify_all()                 # a receive still waiting sees the group is gone
-        _poke(self._wake_w)
+        poke(self._wake_w)
         self._thread.join(timeout=_JOIN_S)
         for fd in (self._wake_r, self._wake_w, self.notify_fd, self._notify_w):
             try:

@@ -92,8 +92,7 @@ class Messages:
                     inbox.cv.wait(min(remaining, _RECHECK_S))
             if not w.ok:
                 _m, _kind, gtag, gbytes, _n, _idx, _nb = parse_header(w.header or bytes(HEADER.size))
-                with inbox.cv:
-                    inbox.desync.add(src)
+                inbox.out_of_step(src)
                 raise ctx.error(CollectiveMismatchError,
                                 f"rank {src} sent a message of {gbytes} bytes with tag {gtag}, but rank "
                                 f"{self.rank} expected {len(data)} bytes with tag {tag}", peer=src)

@@ -31,7 +31,6 @@ from ringlet.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     DistBackendError,
-    GroupAbortedError,
 )
 from ringlet.transport._tcp_mesh import Peer
 from ringlet.transport._tcp_wire import DATA, FRAME_MAGIC, HEADER, parse_header
@@ -101,8 +100,9 @@ class Pump:
 
     def begin(self, ctx: OpContext) -> None:
         """Start a new operation: frame indices restart at 0 for every peer."""
-        if self.outbox.aborted is not None:
-            raise ctx.error(GroupAbortedError, f"the group was aborted on this rank: {self.outbox.aborted}")
+        err = local_trouble(ctx, self.outbox)
+        if err is not None:
+            raise err
         self.ctx = ctx
         self._fp = ctx.fingerprint()
         self._keep.clear()
@@ -142,10 +142,9 @@ class Pump:
         An ``abort`` from another thread while this runs wakes the wait; the outbox then sends
         the ABORT frames once this operation's frames are settled (:meth:`Outbox.end`).
         """
-        aborted = self.outbox.begin()
-        if aborted is not None:
+        if self.outbox.begin() is not None:
             self._fail()
-            raise self._ctx().error(GroupAbortedError, f"the group was aborted on this rank: {aborted}")
+            raise local_trouble(self._ctx(), self.outbox) or AssertionError("aborted, yet no trouble")
         inbox = self.inbox
         inbox.take_over()
         try:
