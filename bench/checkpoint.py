@@ -2,7 +2,10 @@
 
 Usage::
 
-    python bench/checkpoint.py [--ranks 2] [--mib 100] [--rounds 3] [--no-sync] [--markdown out.md]
+    MALLOC_MMAP_THRESHOLD_=131072 python bench/checkpoint.py [--ranks 2] [--mib 100] [--rounds 3]
+        [--repeats 2] [--no-sync] [--markdown out.md]
+
+(the malloc setting returns freed memory to the OS, so that resident memory tracks allocations)
 
 State: ``--mib`` MiB of float32 in 8 MiB tensors ``[1024, 2048]`` (plus a 2 MiB one), each a
 DTensor sharded on dim 0 over the ranks (what fully_shard holds), and a replicated step
@@ -12,9 +15,10 @@ group; ``torch`` builds the same state with torch's DTensor and uses
 ``torch.distributed.checkpoint`` over gloo.  Both write to a fresh directory under the system
 temp dir with their defaults (fsync on; ``--no-sync`` turns it off for both).
 
-Per round: barrier, ``save`` (timed), barrier, ``load`` into zero-filled DTensors of the same
+Each mode runs in ``--repeats`` worlds, the order of the modes alternating between repeats (the
+disk's write-back state is noise both should share).  Per round: barrier, ``save`` (timed), barrier, ``load`` into zero-filled DTensors of the same
 layout (timed), check that every element came back.  A time is the slowest rank's; the result
-is the median over ``--rounds``.  Throughput per rank = the bytes a rank holds / time.
+is the median over all rounds of all worlds.  Throughput per rank = the bytes a rank holds / time.
 
 Peak extra memory: in a separate, untimed round, a thread samples the process's anonymous
 resident memory (``RssAnon`` in /proc/self/status) every millisecond during ``save`` and
@@ -134,31 +138,40 @@ def _world(rank: int, n: int, mode: str, mib: int, rounds: int, sync: bool, root
     return out
 
 
-def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+def _run_world(mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     root = tempfile.mkdtemp(prefix=f"ringlet-bench-ckpt-{mode}-")
     try:
-        per_rank = common.run_ranks(args.ranks, _world, mode, args.mib, args.rounds, not args.no_sync, root,
-                                    backend="shm", timeout=600.0, op_timeout=300.0)
+        return common.run_ranks(args.ranks, _world, mode, args.mib, args.rounds, not args.no_sync, root,
+                                backend="shm", timeout=600.0, op_timeout=300.0)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    rounds = range(args.rounds)
-    save = common.median([max(p["save"][i] for p in per_rank) for i in rounds])
-    load = common.median([max(p["load"][i] for p in per_rank) for i in rounds])
-    held = per_rank[0]["held"]
+
+
+def _summary(worlds: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Median over every round of every world of the slowest rank's time; max of the memory peaks."""
+    save = common.median([max(p["save"][i] for p in w) for w in worlds for i in range(len(w[0]["save"]))])
+    load = common.median([max(p["load"][i] for p in w) for w in worlds for i in range(len(w[0]["load"]))])
+    held = worlds[0][0]["held"]
     return {"save_s": save, "load_s": load, "save_mbs": held / save / 1e6, "load_mbs": held / load / 1e6,
-            "save_extra": max(p["save_extra"] for p in per_rank), "load_extra": max(p["load_extra"] for p in per_rank),
-            "largest_shard": per_rank[0]["largest_shard"], "held": held}
+            "save_extra": max(p["save_extra"] for w in worlds for p in w),
+            "load_extra": max(p["load_extra"] for w in worlds for p in w),
+            "largest_shard": worlds[0][0]["largest_shard"], "held": held}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--mib", type=int, default=100, help="state size in MiB (float32)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per world")
+    p.add_argument("--repeats", type=int, default=2, help="worlds per mode, in alternating order")
     p.add_argument("--no-sync", action="store_true", help="no fsync (both libraries)")
     p.add_argument("--markdown", metavar="FILE")
     args = p.parse_args()
-    res = {m: _run_mode(m, args) for m in MODES}
+    worlds: dict[str, list[Any]] = {m: [] for m in MODES}
+    for rep in range(args.repeats):           # alternate the order: the disk's state is shared noise
+        for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+            worlds[mode].append(_run_world(mode, args))
+    res = {m: _summary(w) for m, w in worlds.items()}
     r, t = res["ringlet"], res["torch"]
     mib = 1 << 20
 

@@ -17,6 +17,7 @@ block), and refuses anything that is not a regular file of the recorded size.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import fcntl
 import json
@@ -111,11 +112,20 @@ def _header(save_id: str, rank: int, items: list[tuple[str, Box, str]]) -> tuple
     return struct.pack("<Q", len(raw)) + raw, begins
 
 
+def _crcs(data: memoryview) -> tuple[int, ...]:
+    return tuple(zlib.crc32(data[j:j + BLOCK_BYTES]) for j in range(0, len(data), BLOCK_BYTES))
+
+
 def write_shard(directory: str, name: str, save_id: str, rank: int,
-                items: list[tuple[str, Box, str, Callable[[], torch.Tensor]]], sync: bool) -> tuple[int, list[ChunkMeta]]:
+                items: list[tuple[str, Box, str, Callable[[], torch.Tensor]]],
+                sync: bool) -> tuple[int, list[ChunkMeta]]:
     """Write one rank's shard file; ``items`` give each chunk's key, box, dtype name and a
-    function that returns its contiguous CPU tensor (called one at a time, so at most one
-    staging copy lives).
+    function that returns its contiguous CPU tensor.
+
+    The checksums of a chunk are computed on a helper thread while the next chunk is written
+    and while the file is fsynced (zlib and the write/fsync calls release the GIL; ``write``
+    often sleeps in the kernel's dirty-page throttling).  At most one chunk waits for its
+    checksum, so at most two staging copies (for non-contiguous pieces) are alive.
 
     Returns the file's size and the chunks' records (byte ranges and block checksums).
     Raises ``OSError`` (disk full, permissions) naming the path; the partial file is removed.
@@ -124,23 +134,30 @@ def write_shard(directory: str, name: str, save_id: str, rank: int,
     header, begins = _header(save_id, rank, [(k, b, d) for k, b, d, _ in items])
     fault = _Fault(rank)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    pending: list[concurrent.futures.Future[tuple[int, ...]]] = []
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringlet-ckpt-crc")
     try:
         fault.write(fd, memoryview(header), 0, path)
-        chunks = []
-        for (_, box, _, get), begin in zip(items, begins, strict=True):
+        for (_, _, _, get), begin in zip(items, begins, strict=True):
             data = tensor_bytes(get())
-            crcs = tuple(zlib.crc32(data[j:j + BLOCK_BYTES]) for j in range(0, len(data), BLOCK_BYTES))
+            if pending:
+                pending[-1].result()          # bound the copies alive: one chunk in flight
+            pending.append(pool.submit(_crcs, data))
             fault.write(fd, data, len(header) + begin, path)
-            chunks.append(ChunkMeta(box, name, len(header) + begin, len(header) + begin + len(data), crcs))
             del data
         size = os.lseek(fd, 0, os.SEEK_CUR)
         if sync:
             os.fsync(fd)
+        crcs = [f.result() for f in pending]
     except BaseException:
         os.close(fd)
         remove_quietly(directory, name)
         raise
+    finally:
+        pool.shutdown(wait=True)
     os.close(fd)
+    chunks = [ChunkMeta(box, name, len(header) + begin, len(header) + begin + box.numel * DTYPES[d][0].itemsize, c)
+              for (_, box, d, _), begin, c in zip(items, begins, crcs, strict=True)]
     return size, chunks
 
 
