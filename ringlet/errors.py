@@ -20,6 +20,7 @@ __all__ = [
     "DistStoreError",
     "GroupAbortedError",
     "PeerFailureError",
+    "QueueEmptyError",
 ]
 
 
@@ -59,6 +60,10 @@ class DistNetworkError(DistError):
 
 class DistStoreError(DistError):
     """A store operation failed; a timed-out ``get``/``wait`` names the missing keys."""
+
+
+class QueueEmptyError(DistStoreError):
+    """``Store.queue_pop(key, block=False)`` found the queue empty (torch's ``QueueEmptyError``)."""
 
 
 class CollectiveTimeoutError(DistBackendError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import signal
 import socket
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ringlet.errors import DistError, DistNetworkError, DistStoreError
+from ringlet.errors import DistError, DistNetworkError, DistStoreError, QueueEmptyError
 from ringlet.store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from ringlet.store import _protocol as P
 
@@ -805,3 +806,147 @@ def test_exception_from_signal_handler_leaves_store_usable(make_store: StoreMake
         signal.signal(signal.SIGUSR1, old)
     store.set("after", "1")
     assert store.get("after") == b"1"
+
+
+# -- queues, list_keys, clone (torch's Store surface) -------------------------------------------
+@pytest.mark.timeout(15)
+def test_queue_semantics(make_store: StoreMaker) -> None:
+    store = make_store()
+    assert store.queue_len("q") == 0 and not store.check(["q"])
+    with pytest.raises(QueueEmptyError, match="queue is empty"):
+        store.queue_pop("q", block=False)
+    store.queue_push("q", "a")
+    store.queue_push("q", b"b")
+    assert store.queue_len("q") == 2 and store.check(["q"])
+    store.wait(["q"], timedelta(seconds=1))            # a non-empty queue counts for wait/check
+    store.set("k", "v")
+    assert sorted(store.list_keys()) == ["k"]         # queues are not keys
+    assert store.delete_key("q") is False and store.queue_len("q") == 2
+    assert store.queue_pop("q") == b"a" and store.queue_pop("q", block=False) == b"b"
+    assert store.queue_len("q") == 0 and not store.check(["q"])
+    store.set("sk", "x")                              # keys are not queues
+    assert store.queue_len("sk") == 0
+    with pytest.raises(QueueEmptyError):
+        store.queue_pop("sk", block=False)
+    store.set_timeout(timedelta(seconds=T))
+    started = time.monotonic()
+    with pytest.raises(DistStoreError, match=r"queue_pop for keys \['(pfx/)?q'\] timed out") as info:
+        store.queue_pop("q")
+    assert not isinstance(info.value, QueueEmptyError)
+    assert T <= time.monotonic() - started < T + 0.5
+    store.queue_push("q", "after")                    # usable after a timed-out pop
+    assert store.queue_pop("q") == b"after"
+
+
+@pytest.mark.timeout(15)
+def test_blocking_pop_woken_by_push_from_a_clone(make_store: StoreMaker) -> None:
+    store = make_store()
+    twin = store.clone()
+    try:
+        assert type(twin) is type(store) and twin is not store
+        store.set("shared", "1")
+        assert twin.get("shared") == b"1" and "shared" in twin.list_keys()
+        threading.Timer(0.2, twin.queue_push, ("jobs", "j1")).start()
+        started = time.monotonic()
+        assert store.queue_pop("jobs") == b"j1"
+        assert 0.1 < time.monotonic() - started < 3
+    finally:
+        if isinstance(twin, TCPStore | FileStore):
+            twin.close()
+        elif isinstance(twin, PrefixStore) and isinstance(twin.underlying_store, TCPStore | FileStore):
+            twin.underlying_store.close()
+
+
+def test_prefix_store_queues_and_keys_stay_in_their_namespace() -> None:
+    base = HashStore(timeout=SHORT)
+    a, b = PrefixStore("a", base), PrefixStore("b", base)
+    a.queue_push("q", "1")
+    a.set("k", "v")
+    assert b.queue_len("q") == 0 and base.queue_len("a/q") == 1
+    assert a.list_keys() == ["k"] and b.list_keys() == [] and base.list_keys() == ["a/k"]
+    assert a.clone().queue_pop("q") == b"1"
+
+
+def test_clone_of_the_master_does_not_own_the_server() -> None:
+    master = _master()
+    twin = master.clone()
+    twin.close()                                      # closing a clone leaves the server up
+    master.set("still", "up")
+    assert master.get("still") == b"up"
+    master.close()
+
+
+def test_queue_errors_are_torchs_names() -> None:
+    import ringlet.distributed as rdist
+
+    assert issubclass(rdist.QueueEmptyError, rdist.DistStoreError)
+    assert rdist.QueueEmptyError is QueueEmptyError
+
+
+_CONSUMER = """
+import json, sys
+from datetime import timedelta
+from ringlet.store import FileStore, TCPStore
+kind, where, me = sys.argv[1], sys.argv[2], sys.argv[3]
+if kind == "tcp":
+    store = TCPStore("127.0.0.1", int(where), timeout=timedelta(seconds=10))
+else:
+    store = FileStore(where, timeout=timedelta(seconds=10))
+store.queue_push("ready", me)
+got = []
+while True:
+    item = store.queue_pop("jobs")          # blocks until the producer pushes
+    if item == b"stop":
+        break
+    got.append(item.decode())
+store.set(f"done/{me}", json.dumps(got))
+store.close()
+"""
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["tcp", "file"])
+def test_queue_across_processes_delivers_each_item_once(kind: str, tmp_path: Path) -> None:
+    """Two consumer processes block in queue_pop; the producer's items reach exactly one each."""
+    server: Store
+    if kind == "tcp":
+        server = _master()
+        where = str(server.port)
+    else:
+        where = str(tmp_path / "queue-store")
+        server = FileStore(where, timeout=SHORT)
+    try:
+        with _child(_CONSUMER, kind, where, "c0") as c0, _child(_CONSUMER, kind, where, "c1") as c1:
+            ready = {server.queue_pop("ready"), server.queue_pop("ready")}
+            assert ready == {b"c0", b"c1"}
+            items = [f"item{i}" for i in range(20)]
+            for item in items:
+                server.queue_push("jobs", item)
+            for _ in range(2):
+                server.queue_push("jobs", "stop")
+            server.wait(["done/c0", "done/c1"], timedelta(seconds=20))
+            got = [json.loads(server.get(f"done/{c}")) for c in ("c0", "c1")]
+            assert c0.wait(10) == 0 and c1.wait(10) == 0
+        assert sorted(got[0] + got[1]) == sorted(items)
+        assert server.queue_len("jobs") == 0
+    finally:
+        server.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(30)
+def test_queue_semantics_match_torch_hash_store() -> None:
+    dist = pytest.importorskip("torch.distributed")
+    ours, theirs = HashStore(timeout=SHORT), dist.HashStore()
+    script: list[tuple[str, tuple[object, ...]]] = [
+        ("queue_len", ("q",)), ("check", (["q"],)), ("queue_push", ("q", "a")),
+        ("queue_push", ("q", b"b")), ("queue_len", ("q",)), ("check", (["q"],)),
+        ("num_keys", ()), ("list_keys", ()), ("set", ("k", "v")), ("list_keys", ()),
+        ("delete_key", ("q",)), ("queue_pop", ("q",)), ("queue_pop", ("q", False)),
+        ("check", (["q"],)), ("queue_len", ("q",)), ("queue_len", ("k",)),
+    ]
+    for name, args in script:
+        assert getattr(ours, name)(*args) == getattr(theirs, name)(*args), (name, args)
+    for store in (ours, theirs):
+        with pytest.raises(Exception) as info:
+            store.queue_pop("q", False)
+        assert type(info.value).__name__ == "QueueEmptyError"

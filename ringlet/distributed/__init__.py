@@ -23,6 +23,7 @@ from ringlet.errors import (
     DistStoreError,
     GroupAbortedError,
     PeerFailureError,
+    QueueEmptyError,
 )
 from ringlet.mesh import DeviceMesh, init_device_mesh
 from ringlet.parallel.ddp import GradBucket
@@ -32,7 +33,7 @@ __all__ = [
     *_c10d_all, "all_gather_single", "reduce_scatter_single", "DistError", "DistBackendError",
     "DistNetworkError", "DistStoreError", "CollectiveTimeoutError", "CollectiveMismatchError",
     "PeerFailureError", "GroupAbortedError", "TCPStore", "FileStore", "HashStore", "PrefixStore", "Store",
-    "DeviceMesh", "init_device_mesh", "GradBucket", "distributed_c10d",
+    "DeviceMesh", "init_device_mesh", "GradBucket", "QueueEmptyError", "distributed_c10d",
 ]
 
 from ringlet.distributed import distributed_c10d  # the submodule, after the names it re-exports

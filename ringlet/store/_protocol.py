@@ -16,7 +16,7 @@
 4. Then requests and responses are frames: ``!Q`` payload length, then payload =
    ``!BI`` (op or status, argc) and argc ``!I``-length-prefixed byte strings.
    Lengths are checked against the caps below *before* any buffer is allocated.
-One request is outstanding per connection; ``MULTI_GET``/``WAIT`` may be parked by
+One request is outstanding per connection; ``MULTI_GET``/``WAIT``/``QUEUE_POP`` may be parked by
 the server until their keys exist, and the only request allowed while parked is
 ``CANCEL`` (the client's deadline passed), answered with ``CANCELED`` after any
 reply already in flight, so the connection stays usable after a timeout (S4).
@@ -30,10 +30,11 @@ import hmac
 import socket
 import struct
 import time
+from collections import deque
 
 from ringlet.errors import DistNetworkError, DistStoreError
 from ringlet.store._secret import read_secret
-from ringlet.store.base import parse_counter
+from ringlet.store.base import parse_counter, pop_queue, present
 
 MAGIC = b"RNGLSTOR"
 VERSION = 2     # 2: the greeting names the host secret
@@ -75,6 +76,10 @@ class Op(enum.IntEnum):
     APPEND = 10
     CANCEL = 11  # the client gave up on its parked request
     PING = 12
+    QUEUE_PUSH = 13
+    QUEUE_POP = 14  # args: key, b"1" (block: parks until the queue has a value) or b"0"
+    QUEUE_LEN = 15
+    LIST_KEYS = 16
 
 
 class Status(enum.IntEnum):
@@ -82,6 +87,7 @@ class Status(enum.IntEnum):
     ERROR = 1  # a DistStoreError on the client
     VALUE_ERROR = 2  # a ValueError on the client (e.g. add on a non-integer)
     CANCELED = 3
+    QUEUE_EMPTY = 4  # a QueueEmptyError on the client
 
 
 class ProtocolError(Exception):
@@ -262,14 +268,14 @@ Reply = tuple[Status, list[bytes]]
 
 
 class Parked:
-    """A ``MULTI_GET``/``WAIT`` request waiting for its keys (one per connection at most)."""
+    """A ``MULTI_GET``/``WAIT``/``QUEUE_POP`` request waiting for its keys (one per connection)."""
 
-    __slots__ = ("done", "keys", "owner", "registered", "want_values")
+    __slots__ = ("done", "keys", "kind", "owner", "registered")
 
-    def __init__(self, owner: object, keys: list[str], want_values: bool) -> None:
+    def __init__(self, owner: object, keys: list[str], kind: int) -> None:
         self.owner = owner  # the server's connection object; opaque here
         self.keys = keys
-        self.want_values = want_values
+        self.kind = kind  # the Op: what "present" means and what the reply holds
         self.registered: set[str] = set()  # keys whose waiter lists hold this request
         self.done = False
 
@@ -284,15 +290,18 @@ class KeyTable:
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
+        self.queues: dict[str, deque[bytes]] = {}  # [Note: store queues] in base
+        self._queued = 0  # values in all queues (capped with the keys)
         self._waiters: dict[str, list[Parked]] = {}
         self._woken: list[Parked] = []
 
     def handle(self, owner: object, op: int, args: list[bytes]) -> Reply | Parked:
         """Apply one request. Raises ``ProtocolError`` for a malformed one."""
-        if op in (Op.MULTI_GET, Op.WAIT):
+        if op in (Op.MULTI_GET, Op.WAIT) or (op == Op.QUEUE_POP and args[1:] == [b"1"]):
             if not args:
                 raise ProtocolError(f"{Op(op).name} without keys")
-            parked = Parked(owner, [self._key(a) for a in args], op == Op.MULTI_GET)
+            keys = [self._key(args[0])] if op == Op.QUEUE_POP else [self._key(a) for a in args]
+            parked = Parked(owner, keys, op)
             return self._serve_or_park(parked) or parked
         try:
             return self._apply(op, args)
@@ -332,7 +341,10 @@ class KeyTable:
             key_s = self._key(key)
             self._store(key_s, self._value(data.get(key_s, b"") + value))
         elif op == Op.CHECK:
-            return Status.OK, [b"1" if all(self._key(k) in data for k in args) else b"0"]
+            found = all(present(data, self.queues, self._key(k)) for k in args)
+            return Status.OK, [b"1" if found else b"0"]
+        elif op in (Op.QUEUE_PUSH, Op.QUEUE_POP, Op.QUEUE_LEN, Op.LIST_KEYS):
+            return self._apply_queue(op, args)
         elif op == Op.DELETE:
             (key,) = self._args(op, args, 1)
             return Status.OK, [b"1" if data.pop(self._key(key), None) is not None else b"0"]
@@ -341,6 +353,34 @@ class KeyTable:
         elif op != Op.PING:
             raise ProtocolError(f"unknown op code {op}")
         return Status.OK, []
+
+    def _apply_queue(self, op: int, args: list[bytes]) -> Reply:
+        if op == Op.LIST_KEYS:
+            self._args(op, args, 0)
+            return Status.OK, [k.encode("utf-8") for k in self.data]
+        if op == Op.QUEUE_PUSH:
+            key, value = self._args(op, args, 2)
+            key_s = self._key(key)
+            if self._queued + len(self.data) >= MAX_KEYS:
+                raise _Refused(f"store is full ({MAX_KEYS} keys and queued values)")
+            self.queues.setdefault(key_s, deque()).append(self._value(value))
+            self._queued += 1
+            self._wake(key_s)
+            return Status.OK, []
+        if op == Op.QUEUE_LEN:
+            (key,) = self._args(op, args, 1)
+            return Status.OK, [str(len(self.queues.get(self._key(key), ()))).encode("ascii")]
+        key, _block = self._args(op, args, 2)   # a non-blocking QUEUE_POP (blocking ones park)
+        value = self._pop(self._key(key))
+        if value is None:
+            return Status.QUEUE_EMPTY, [f"queue {key.decode('utf-8', 'replace')!r} is empty".encode()]
+        return Status.OK, [value]
+
+    def _pop(self, key: str) -> bytes | None:
+        value = pop_queue(self.queues, key)
+        if value is not None:
+            self._queued -= 1
+        return value
 
     @staticmethod
     def _args(op: int, args: list[bytes], n: int) -> list[bytes]:
@@ -367,13 +407,19 @@ class KeyTable:
         if key not in self.data and len(self.data) >= MAX_KEYS:
             raise _Refused(f"store is full ({MAX_KEYS} keys)")
         self.data[key] = value
+        self._wake(key)
+
+    def _wake(self, key: str) -> None:
         for parked in self._waiters.pop(key, ()):
             parked.registered.discard(key)
             if not parked.done:
                 self._woken.append(parked)
 
     def _serve_or_park(self, parked: Parked) -> Reply | None:
-        missing = [k for k in parked.keys if k not in self.data]
+        if parked.kind == Op.MULTI_GET:
+            missing = [k for k in parked.keys if k not in self.data]
+        else:   # WAIT and QUEUE_POP: a non-empty queue counts ([Note: store queues])
+            missing = [k for k in parked.keys if not present(self.data, self.queues, k)]
         if missing:
             for key in missing:
                 if key not in parked.registered:
@@ -381,7 +427,9 @@ class KeyTable:
                     self._waiters.setdefault(key, []).append(parked)
             return None
         parked.done = True
-        values = [self.data[k] for k in parked.keys] if parked.want_values else []
+        if parked.kind == Op.QUEUE_POP:
+            return Status.OK, [self._pop(parked.keys[0]) or b""]
+        values = [self.data[k] for k in parked.keys] if parked.kind == Op.MULTI_GET else []
         return Status.OK, values
 
     def pop_ready(self) -> list[tuple[object, Reply]]:

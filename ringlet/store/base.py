@@ -11,11 +11,12 @@ store usable (RELIABILITY.md S4). Every wait is written as a loop on an absolute
 from __future__ import annotations
 
 import time
-from collections.abc import MutableMapping, Sequence
+from collections import deque
+from collections.abc import Mapping, MutableMapping, Sequence
 from datetime import timedelta
 
 from ringlet import _env
-from ringlet.errors import DistStoreError
+from ringlet.errors import DistStoreError, QueueEmptyError
 
 __all__ = ["Store"]
 
@@ -118,6 +119,33 @@ def apply_append(table: MutableMapping[str, bytes], key: str, value: bytes) -> N
     table[key] = table.get(key, b"") + value
 
 
+# [Note: store queues]
+# Queues live beside the keys, as in torch: ``queue_push(k)`` never changes ``get(k)``, and
+# ``delete_key``/``num_keys``/``list_keys`` see only keys.  ``check``/``wait`` count a key as
+# present when it is set *or* its queue is not empty, so a consumer can wait for work.  A
+# blocking ``queue_pop`` waits up to the store's timeout (``DistStoreError`` naming the queue);
+# ``block=False`` on an empty queue raises ``QueueEmptyError`` at once.
+def present(data: Mapping[str, bytes], queues: Mapping[str, deque[bytes]], key: str) -> bool:
+    """Whether ``check``/``wait`` consider ``key`` present (see [Note: store queues])."""
+    return key in data or bool(queues.get(key))
+
+
+def pop_queue(queues: MutableMapping[str, deque[bytes]], key: str) -> bytes | None:
+    """The head of ``key``'s queue (removed), or None when it is empty."""
+    q = queues.get(key)
+    if not q:
+        return None
+    value = q.popleft()
+    if not q:
+        del queues[key]
+    return value
+
+
+def queue_empty_error(key: str, where: str) -> QueueEmptyError:
+    return QueueEmptyError(f"queue_pop({key!r}, block=False): queue is empty ({where})", keys=[key],
+                           store=where)
+
+
 class Store:
     """Base class of ringlet's key-value stores (torch's ``Store`` interface).
 
@@ -204,6 +232,41 @@ class Store:
 
     def num_keys(self) -> int:
         """Number of keys stored (internal bookkeeping keys excluded)."""
+        raise NotImplementedError
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        """Append ``value`` to the queue ``key`` (queues live beside keys: [Note: store queues]).
+
+        Example::
+
+            store.queue_push("work", b"job-1")
+            assert store.queue_pop("work") == b"job-1"
+        """
+        raise NotImplementedError
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Remove and return the oldest value of the queue ``key``.
+
+        Args:
+            key: the queue.
+            block: wait (up to the store's timeout) for a value when the queue is empty.
+
+        Raises:
+            QueueEmptyError: ``block`` is false and the queue is empty.
+            DistStoreError: ``block`` is true and no value arrived within the timeout.
+        """
+        raise NotImplementedError
+
+    def queue_len(self, key: str) -> int:
+        """Number of values in the queue ``key`` (0 when it does not exist)."""
+        raise NotImplementedError
+
+    def list_keys(self) -> list[str]:
+        """Every key in the store (queues and internal bookkeeping keys excluded)."""
+        raise NotImplementedError
+
+    def clone(self) -> Store:
+        """A new store object on the same underlying store, for use from another thread."""
         raise NotImplementedError
 
     # -- ringlet extras with generic defaults --------------------------------------

@@ -18,6 +18,7 @@ import os
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -29,6 +30,9 @@ from ringlet.store.base import (
     check_key,
     check_keys,
     check_pairs,
+    pop_queue,
+    present,
+    queue_empty_error,
     timeout_error,
     to_bytes,
 )
@@ -37,7 +41,7 @@ __all__ = ["FileStore"]
 
 HEADER = b"RINGLET-FILESTORE 1\n"
 _RECORD = struct.Struct("!BII")
-_SET, _DELETE, _APPEND = 1, 2, 3
+_SET, _DELETE, _APPEND, _QPUSH, _QPOP = 1, 2, 3, 4, 5   # _QPOP's record has no value
 _REFCOUNT = "\x00ringlet/refcount"  # internal key: hidden from num_keys
 _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.01  # wait/lock polling backoff
 
@@ -123,6 +127,7 @@ class FileStore(Store):
         self._identity = (st.st_dev, st.st_ino)
         self._pid = os.getpid()
         self._data, self._offset = {}, 0
+        self._queues: dict[str, deque[bytes]] = {}   # [Note: store queues] in base
 
     # -- file access -------------------------------------------------------------
     @contextlib.contextmanager
@@ -213,16 +218,10 @@ class FileStore(Store):
                 break
             op, klen, vlen = _RECORD.unpack_from(log, pos)
             end = pos + _RECORD.size + klen + vlen
-            if op not in (_SET, _DELETE, _APPEND) or end > len(log):
+            if op not in (_SET, _DELETE, _APPEND, _QPUSH, _QPOP) or end > len(log):
                 break
             key = log[pos + _RECORD.size : pos + _RECORD.size + klen].decode("utf-8", "replace")
-            value = log[pos + _RECORD.size + klen : end]
-            if op == _SET:
-                self._data[key] = value
-            elif op == _APPEND:
-                self._data[key] = self._data.get(key, b"") + value
-            else:
-                self._data.pop(key, None)
+            self._replay(op, key, log[pos + _RECORD.size + klen : end])
             pos = end
         if pos != len(log):  # writers append whole records under the lock: this is damage
             raise DistStoreError(
@@ -231,6 +230,18 @@ class FileStore(Store):
                 store=self._path,
             )
         return pos
+
+    def _replay(self, op: int, key: str, value: bytes) -> None:
+        if op == _SET:
+            self._data[key] = value
+        elif op == _APPEND:
+            self._data[key] = self._data.get(key, b"") + value
+        elif op == _QPUSH:
+            self._queues.setdefault(key, deque()).append(value)
+        elif op == _QPOP:
+            pop_queue(self._queues, key)
+        else:
+            self._data.pop(key, None)
 
     def _write(self, data: bytes) -> None:
         """Append records (caller holds the exclusive lock), then apply them."""
@@ -242,9 +253,12 @@ class FileStore(Store):
         deadline, delay = started + timeout_s, _POLL_MIN_S
         while True:
             with self._locked(exclusive=False):
-                if all(k in self._data for k in keys):
-                    return {k: self._data[k] for k in keys}
-                missing = [k for k in keys if k not in self._data]
+                if op == "get":
+                    missing = [k for k in keys if k not in self._data]
+                else:   # wait: a non-empty queue counts ([Note: store queues])
+                    missing = [k for k in keys if not present(self._data, self._queues, k)]
+                if not missing:
+                    return {k: self._data.get(k, b"") for k in keys}
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise timeout_error(missing, f"FileStore {self._path}", started, timeout_s, op)
@@ -301,7 +315,7 @@ class FileStore(Store):
     def check(self, keys: list[str]) -> bool:
         keys = check_keys(keys)
         with self._locked(exclusive=False):
-            return all(k in self._data for k in keys)
+            return all(present(self._data, self._queues, k) for k in keys)
 
     def delete_key(self, key: str) -> bool:
         key = check_key(key)
@@ -314,6 +328,52 @@ class FileStore(Store):
     def num_keys(self) -> int:
         with self._locked(exclusive=False):
             return sum(1 for k in self._data if k != _REFCOUNT)
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        record = _record(_QPUSH, check_key(key), to_bytes(value))
+        with self._locked(exclusive=True):
+            self._write(record)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        key = check_key(key)
+        started = time.monotonic()
+        delay = _POLL_MIN_S
+        while True:
+            with self._locked(exclusive=True):
+                head = self._queues.get(key)
+                if head:
+                    value = head[0]
+                    self._write(_record(_QPOP, key))   # applied to our copy by _write's catch-up
+                    return value
+            if not block:
+                raise queue_empty_error(key, f"FileStore {self._path}")
+            remaining = started + self._timeout_s - time.monotonic()
+            if remaining <= 0:
+                raise timeout_error([key], f"FileStore {self._path}", started, self._timeout_s,
+                                    "queue_pop")
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, _POLL_MAX_S)
+
+    def queue_len(self, key: str) -> int:
+        key = check_key(key)
+        with self._locked(exclusive=False):
+            return len(self._queues.get(key, ()))
+
+    def list_keys(self) -> list[str]:
+        with self._locked(exclusive=False):
+            return [k for k in self._data if k != _REFCOUNT]
+
+    def clone(self) -> FileStore:
+        """Another handle on the same file for another thread; it takes no reference, so it
+        never counts towards ``world_size`` and its ``close`` never removes the file."""
+        other = FileStore.__new__(FileStore)
+        Store.__init__(other, self.timeout)
+        other._path, other._world_size = self._path, self._world_size
+        other._lock = threading.Lock()
+        other._closed, other._owns_ref = True, False
+        other._open()
+        other._closed = False
+        return other
 
     # -- lifetime ------------------------------------------------------------------
     @property

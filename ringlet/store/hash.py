@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
+from collections import deque
 from datetime import timedelta
 
 from ringlet.store.base import (
@@ -14,6 +16,9 @@ from ringlet.store.base import (
     check_key,
     check_keys,
     check_pairs,
+    pop_queue,
+    present,
+    queue_empty_error,
     timeout_error,
     to_bytes,
 )
@@ -39,6 +44,7 @@ class HashStore(Store):
     def __init__(self, timeout: timedelta | None = None) -> None:
         super().__init__(timeout)
         self._data: dict[str, bytes] = {}
+        self._queues: dict[str, deque[bytes]] = {}  # [Note: store queues] in base
         self._cond = threading.Condition()
 
     def __repr__(self) -> str:
@@ -75,7 +81,10 @@ class HashStore(Store):
         started = time.monotonic()
         deadline = started + timeout_s
         while True:
-            missing = [k for k in keys if k not in self._data]
+            if op == "get":
+                missing = [k for k in keys if k not in self._data]
+            else:   # wait: a non-empty queue counts
+                missing = [k for k in keys if not present(self._data, self._queues, k)]
             if not missing:
                 return
             remaining = deadline - time.monotonic()
@@ -109,7 +118,7 @@ class HashStore(Store):
     def check(self, keys: list[str]) -> bool:
         keys = check_keys(keys)
         with self._cond:
-            return all(k in self._data for k in keys)
+            return all(present(self._data, self._queues, k) for k in keys)
 
     def delete_key(self, key: str) -> bool:
         key = check_key(key)
@@ -119,3 +128,37 @@ class HashStore(Store):
     def num_keys(self) -> int:
         with self._cond:
             return len(self._data)
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        key, data = check_key(key), to_bytes(value)
+        with self._cond:
+            self._queues.setdefault(key, deque()).append(data)
+            self._cond.notify_all()
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        key = check_key(key)
+        started = time.monotonic()
+        with self._cond:
+            while True:   # another popper may take the value we were woken for: wait again
+                value = pop_queue(self._queues, key)
+                if value is not None:
+                    return value
+                if not block:
+                    raise queue_empty_error(key, repr(self))
+                remaining = started + self._timeout_s - time.monotonic()
+                if remaining <= 0:
+                    raise timeout_error([key], repr(self), started, self._timeout_s, "queue_pop")
+                self._cond.wait(remaining)
+
+    def queue_len(self, key: str) -> int:
+        key = check_key(key)
+        with self._cond:
+            return len(self._queues.get(key, ()))
+
+    def list_keys(self) -> list[str]:
+        with self._cond:
+            return list(self._data)
+
+    def clone(self) -> HashStore:
+        """Another handle on the same keys and queues (its timeout is its own)."""
+        return copy.copy(self)

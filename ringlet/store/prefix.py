@@ -98,3 +98,21 @@ class PrefixStore(Store):
 
     def append(self, key: str, value: str | bytes) -> None:
         self._store.append(self._key(key), value)
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        self._store.queue_push(self._key(key), value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        return self._store.queue_pop(self._key(key), block)
+
+    def queue_len(self, key: str) -> int:
+        return self._store.queue_len(self._key(key))
+
+    def list_keys(self) -> list[str]:
+        """The keys of this namespace, without the prefix."""
+        head = f"{self._prefix}/"
+        return [k[len(head):] for k in self._store.list_keys() if k.startswith(head)]
+
+    def clone(self) -> PrefixStore:
+        """The same namespace over a clone of the underlying store."""
+        return PrefixStore(self._prefix, self._store.clone())

@@ -18,7 +18,7 @@ import weakref
 from datetime import timedelta
 
 from ringlet import _env
-from ringlet.errors import DistNetworkError, DistStoreError
+from ringlet.errors import DistNetworkError, DistStoreError, QueueEmptyError
 from ringlet.store import _protocol as P
 from ringlet.store._server import StoreServer, acquire_server, release_server
 from ringlet.store.base import (
@@ -26,6 +26,7 @@ from ringlet.store.base import (
     check_key,
     check_keys,
     check_pairs,
+    queue_empty_error,
     timeout_error,
     to_bytes,
 )
@@ -105,18 +106,9 @@ class TCPStore(Store):
         super().__init__(timeout)
         self._closed = True  # until fully constructed: __del__ must not act
         _validate(host_name, port, world_size, is_master)
-        self._host, self._port, self._world_size = host_name, port, world_size
+        token = token if token is not None else _env.store_token()
+        self._init_client(host_name, port, world_size, token, rank if rank is not None else _env.env_rank())
         self._is_master = is_master
-        self._token = token if token is not None else _env.store_token()
-        self._rank = rank if rank is not None else _env.env_rank()
-        self._local = threading.local()
-        self._conns_lock = threading.Lock()
-        # Weak: a dead thread's connection is closed when its threading.local goes away.
-        self._conns: weakref.WeakSet[_ClientConn] = weakref.WeakSet()
-        self._lost: str | None = None
-        self._ever_connected = False
-        self._server: StoreServer | None = None
-        self._connect_host = host_name
         if is_master:
             self._start_server(multi_tenant, master_listen_fd)
         self._closed = False
@@ -129,6 +121,39 @@ class TCPStore(Store):
             raise
 
     # -- construction -----------------------------------------------------------
+    def _init_client(self, host: str, port: int, world_size: int | None, token: bytes | None,
+                     rank: int | None) -> None:
+        self._host, self._port, self._world_size = host, port, world_size
+        self._is_master = False
+        self._token = token
+        self._rank = rank
+        self._local = threading.local()
+        self._conns_lock = threading.Lock()
+        # Weak: a dead thread's connection is closed when its threading.local goes away.
+        self._conns: weakref.WeakSet[_ClientConn] = weakref.WeakSet()
+        self._lost: str | None = None
+        self._ever_connected = False
+        self._server: StoreServer | None = None
+        self._connect_host = host
+
+    def clone(self) -> TCPStore:
+        """A new client of the same server (torch's ``clone``): its own connections, so that
+        another thread can use it freely; it never owns the server, even when cloned from the
+        master, and does not count as a joining worker.
+
+        Example::
+
+            worker_store = store.clone()   # hand to a thread
+        """
+        other = TCPStore.__new__(TCPStore)
+        Store.__init__(other, self.timeout)
+        other._closed = True
+        other._init_client(self._host, self._port, self._world_size, self._token, self._rank)
+        other._connect_host = self._connect_host
+        other._closed = False
+        other._local.conn = other._connect(join=False)
+        return other
+
     def _start_server(self, multi_tenant: bool, listen_fd: int | None) -> None:
         self._server = acquire_server(self._host, self._port, self._token, listen_fd, multi_tenant)
         self._port, self._connect_host = self._server.port, self._server.connect_host
@@ -263,7 +288,7 @@ class TCPStore(Store):
                 return status, out
         except (P.DeadlinePassed, P.ConnectionLost, OSError, DistStoreError):
             self._discard(conn)
-        name = "get" if op == P.Op.MULTI_GET else "wait"
+        name = {P.Op.MULTI_GET: "get", P.Op.QUEUE_POP: "queue_pop"}.get(op, "wait")
         raise timeout_error(keys, f"TCPStore {self._where}", started, limit, name)
 
     def _result(self, status: int, out: list[bytes]) -> list[bytes]:
@@ -272,6 +297,8 @@ class TCPStore(Store):
         message = out[0].decode("utf-8", "replace") if out else "no detail"
         if status == P.Status.VALUE_ERROR:
             raise ValueError(message)
+        if status == P.Status.QUEUE_EMPTY:
+            raise QueueEmptyError(message, store=self._where)
         raise DistStoreError(f"store at {self._where}: {message}", store=self._where)
 
     def _discard(self, conn: _ClientConn) -> None:
@@ -348,6 +375,23 @@ class TCPStore(Store):
 
     def num_keys(self) -> int:
         return int(self._call(P.Op.NUM_KEYS, [])[0])
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        self._call(P.Op.QUEUE_PUSH, [self._k(key), self._v(value)])
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        if block:   # parked by the server until a value arrives, like get
+            return self._call(P.Op.QUEUE_POP, [self._k(key), b"1"], self._timeout_s, [key])[0]
+        try:
+            return self._call(P.Op.QUEUE_POP, [self._k(key), b"0"])[0]
+        except QueueEmptyError:
+            raise queue_empty_error(key, f"TCPStore {self._where}") from None
+
+    def queue_len(self, key: str) -> int:
+        return int(self._call(P.Op.QUEUE_LEN, [self._k(key)])[0])
+
+    def list_keys(self) -> list[str]:
+        return [k.decode("utf-8") for k in self._call(P.Op.LIST_KEYS, [])]
 
     # -- identity and lifetime -----------------------------------------------------
     @property
