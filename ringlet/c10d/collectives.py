@@ -34,10 +34,9 @@ from ringlet.c10d.list_collectives import (
     reduce_scatter_into,
     scatter,
 )
-from ringlet.c10d.reduce_op import ReduceOp, check_complex, resolve_op
+from ringlet.c10d.reduce_op import ReduceOp, check_complex
 from ringlet.c10d.work import Work
 from ringlet.errors import CollectiveTimeoutError
-from ringlet.transport.reduce import check_op_dtype
 
 __all__ = [
     "_all_gather_base",
@@ -66,11 +65,6 @@ def peer_rank(pg: ProcessGroup, global_rank: int | None, group_rank: int | None,
     return checks.peer(pg, global_rank, group_rank, op, arg)
 
 
-def _plain(t: torch.Tensor) -> bool:
-    """Whether a transport may use ``t``'s memory as it is."""
-    return t.is_contiguous() and not (t.is_conj() or t.is_neg())
-
-
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
                async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group in place on every rank.
@@ -84,17 +78,17 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     if getattr(tensor, "layout", None) is torch.sparse_coo:    # gloo's sparse SUM (ringlet.c10d.sparse)
         return sparse.all_reduce(pg, tensor, op, async_op)
     t = checks.tensor(tensor, "all_reduce", "tensor", pg.transport.devices, out=True)
-    red, factor = resolve_op(op, "all_reduce")
+    red, factor = checks.reduce_op(op, "all_reduce")
     if red != ReduceOp.SUM:
         check_complex(red, t.dtype, "all_reduce")
-        check_op_dtype(red, t.dtype, "all_reduce")
+        checks.op_dtype(red, t.dtype, "all_reduce")
     if _call.flush_hooks:
         held, w = coalescing.try_hold(pg, ("all_reduce", t.dtype, int(red), factor), (t,), async_op)
         if held:
             return w
     ctx = pg.context("all_reduce", t.dtype, t.numel(), -1, red)
     tr = pg.transport
-    if _plain(t):
+    if checks.plain(t):
         return _call.launch(pg, "all_reduce", lambda: tr.all_reduce(t, red, factor, ctx), ctx, [t],
                             async_op, t.requires_grad)
     st = Staged(t)
@@ -113,8 +107,8 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
         return None
     t = checks.tensor(tensor, "reduce", "tensor", pg.transport.devices, out=True)
     root = checks.peer(pg, dst, group_dst, "reduce", "dst")
-    red, factor = resolve_op(op, "reduce")
-    check_op_dtype(red, t.dtype, "reduce")
+    red, factor = checks.reduce_op(op, "reduce")
+    checks.op_dtype(red, t.dtype, "reduce")
     ctx = pg.context("reduce", dtype=t.dtype, numel=t.numel(), redop=int(red), root=root)
     st = Staged(t)
 
@@ -136,7 +130,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
     t = checks.tensor(tensor, "broadcast", "tensor", pg.transport.devices, out=root != pg.rank())
     ctx = pg.context("broadcast", t.dtype, t.numel(), root)
     tr = pg.transport
-    if _plain(t):
+    if checks.plain(t):
         return _call.launch(pg, "broadcast", lambda: tr.broadcast(t, root, ctx), ctx, [t], async_op,
                             t.requires_grad)
     st = Staged(t)
@@ -182,8 +176,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
     out = checks.tensor(output, name, "output", pg.transport.devices, out=True)
     inp = checks.tensor(input, name, "input", pg.transport.devices)
     checks.blocks(inp, "input", out, "output", pg.size(), name)
-    red, factor = resolve_op(op, name)
-    check_op_dtype(red, out.dtype, name)
+    red, factor = checks.reduce_op(op, name)
+    checks.op_dtype(red, out.dtype, name)
     if _call.flush_hooks:
         held, w = coalescing.try_hold(pg, (name, out.dtype, int(red), factor), (out, inp), async_op)
         if held:

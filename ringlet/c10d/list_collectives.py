@@ -16,9 +16,8 @@ import torch
 
 from ringlet.c10d import _call, checks
 from ringlet.c10d.group import ProcessGroup
-from ringlet.c10d.reduce_op import ReduceOp, check_complex, resolve_op
+from ringlet.c10d.reduce_op import ReduceOp, check_complex
 from ringlet.c10d.work import Work
-from ringlet.transport.reduce import check_op_dtype
 
 __all__ = [
     "all_gather",
@@ -57,13 +56,13 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = ReduceOp.SUM, gr
     if pg is None:
         return None
     ts = checks.tensor_list(tensors, name, "tensors", None, pg.transport.devices, out=True)
-    red, factor = resolve_op(op, name)
+    red, factor = checks.reduce_op(op, name)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in ts:
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype in by_dtype:
         check_complex(red, dtype, name)
-        check_op_dtype(red, dtype, name)
+        checks.op_dtype(red, dtype, name)
     parts = [(_flat(group_ts), group_ts) for group_ts in by_dtype.values()]
     ctxs = [pg.context("all_reduce", dtype=flat.dtype, numel=flat.numel(), redop=int(red))
             for flat, _ in parts]
@@ -165,8 +164,8 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any
     ins = checks.tensor_list(input_list, "reduce_scatter", "input_list", pg.size(), pg.transport.devices,
                              dtype=out.dtype, like="output")
     _same_numel("reduce_scatter", "input_list", ins, out.numel(), "output")
-    red, factor = resolve_op(op, "reduce_scatter")
-    check_op_dtype(red, out.dtype, "reduce_scatter")
+    red, factor = checks.reduce_op(op, "reduce_scatter")
+    checks.op_dtype(red, out.dtype, "reduce_scatter")
     return reduce_scatter_into(pg, "reduce_scatter", out, _flat(ins), red, factor, async_op)
 
 

@@ -84,7 +84,7 @@ def resolve_op(op: Any, opname: str) -> tuple[RedOpType, float | None]:
         if op.op == RedOpType.PREMUL_SUM and op.factor is None:
             raise ValueError(f"{opname}: PREMUL_SUM needs a factor; use _make_nccl_premul_sum(factor)")
         return op.op, op.factor
-    if isinstance(op, int):   # RedOpType is an IntEnum
+    if isinstance(op, int) and not isinstance(op, bool):   # RedOpType is an IntEnum; True is no op
         try:
             red = RedOpType(int(op))
         except ValueError:
