@@ -24,6 +24,7 @@ import pytest
 from ringlet.errors import DistError, DistNetworkError, DistStoreError, QueueEmptyError
 from ringlet.store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from ringlet.store import _protocol as P
+from ringlet.store import _table as KT
 
 pytestmark = pytest.mark.timeout(30)  # backstop; tests that wait carry tighter marks
 
@@ -590,9 +591,9 @@ def test_frame_reader_and_decoder_check_sizes_first() -> None:
 
 
 def test_key_table_parks_and_wakes_without_polling() -> None:
-    table = P.KeyTable()
+    table = KT.KeyTable()
     parked = table.handle("conn", P.Op.MULTI_GET, [b"a", b"b"])
-    assert isinstance(parked, P.Parked)
+    assert isinstance(parked, KT.Parked)
     table.handle("other", P.Op.SET, [b"a", b"1"])
     assert table.pop_ready() == []
     table.handle("other", P.Op.DELETE, [b"a"])
@@ -601,7 +602,7 @@ def test_key_table_parks_and_wakes_without_polling() -> None:
     table.handle("other", P.Op.SET, [b"a", b"3"])
     assert table.pop_ready() == [("conn", (P.Status.OK, [b"3", b"2"]))]
     again = table.handle("conn", P.Op.WAIT, [b"zz"])
-    assert isinstance(again, P.Parked)
+    assert isinstance(again, KT.Parked)
     table.cancel(again)
     table.handle("other", P.Op.SET, [b"zz", b"1"])
     assert table.pop_ready() == []

@@ -1,7 +1,7 @@
 """The TCPStore server: one daemon thread running a ``selectors`` loop over
 non-blocking sockets in the master process.
 
-Op semantics live in ``_protocol.KeyTable`` (pure); this module only moves bytes,
+Op semantics live in ``_table.KeyTable`` (pure); this module only moves bytes,
 enforces the handshake deadline, connection cap and frame caps, and parks
 ``get``/``wait`` requests until a write completes them (no polling). Any fault on one
 connection closes that connection only; the loop itself never dies on client input.
@@ -26,6 +26,7 @@ from typing import Any
 
 from ringlet.errors import DistNetworkError
 from ringlet.store import _protocol as P
+from ringlet.store import _table as T
 from ringlet.store._secret import create_secret, remove_secret
 
 log = logging.getLogger("ringlet.store")
@@ -44,7 +45,7 @@ class _Conn:
         self.hello = bytearray()
         self.reader: P.FrameReader | None = None  # set once authenticated
         self.out: deque[memoryview] = deque()
-        self.parked: P.Parked | None = None
+        self.parked: T.Parked | None = None
         self.closed = False
         self.close_after_flush = False
 
@@ -67,7 +68,7 @@ class StoreServer:
         self._handshake_s = P.HANDSHAKE_TIMEOUT_S  # read now, so tests can shorten it
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
-        self._table = P.KeyTable()
+        self._table = T.KeyTable()
         self._conns: set[_Conn] = set()
         self._unauthed: deque[_Conn] = deque()  # in accept order = deadline order
         self._stopping = False
@@ -267,7 +268,7 @@ class StoreServer:
         if conn.parked is not None:
             raise P.ProtocolError("request sent while another one is parked")
         result = self._table.handle(conn, op, args)
-        if isinstance(result, P.Parked):
+        if isinstance(result, T.Parked):
             conn.parked = result
         else:
             self._send(conn, P.encode_frame(result[0], result[1]))
