@@ -36,3 +36,18 @@ def big_save(rank: int, world: int, path: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     dcp.save({"w": distribute_tensor(torch.full((1024, 1024), 5.0), mesh, [Shard(0)]),
               "b": torch.full((4096,), 5.0), "step": 5}, checkpoint_id=path)
+
+
+def async_save(rank: int, world: int, path: str, value: float, kill_bytes: int | None = None) -> tuple:
+    """``async_save`` then wait; rank 1 SIGKILLs itself ``kill_bytes`` into its shard if given."""
+    import os
+
+    if kill_bytes is not None and rank == 1:
+        os.environ["RINGLET_CKPT_FAULT"] = f"rank=1;after_bytes={kill_bytes};do=sigkill"
+    future = dcp.async_save(state(world, value), checkpoint_id=path)
+    start = time.monotonic()
+    try:
+        future.result(timeout=60)
+        return "ok", time.monotonic() - start
+    except dcp.CheckpointException as e:
+        return "failed", time.monotonic() - start, str(e)

@@ -152,6 +152,16 @@ def test_rank_killed_during_save_leaves_previous_checkpoint(tmp_path) -> None:
     assert len([p for p in os.listdir(path) if p.endswith(".safetensors")]) == 2
 
 
+def test_async_save_over_processes_and_a_rank_killed_during_it(tmp_path) -> None:
+    path = str(tmp_path / "ck")
+    assert [r.value[0] for r in run_world(2, W.async_save, path, 1.0, timeout=60)] == ["ok", "ok"]
+    results = run_world(2, W.async_save, path, 2.0, 5000, timeout=60, op_timeout=3.0)
+    assert results[1].exitcode == -9, results[1]
+    status, elapsed, message = results[0].value
+    assert status == "failed" and elapsed < 3.0 + 3.0 and "did not report" in message, results[0].value
+    assert [r.value for r in run_world(2, W.load_values, path, timeout=60)] == [[1.0, 1]] * 2
+
+
 def _save_raising(rank: int, world: int, path: str) -> None:
     value = object() if rank == 1 else 1
     dcp.save({"v": value, "t": torch.ones(2)}, checkpoint_id=path)

@@ -1,4 +1,5 @@
-"""The state-dict API with DDP, fully_shard and DTensor (TP-style) models on rank threads: clean
+"""The state-dict API with DDP, fully_shard, tensor-parallel (parallelize_module, and hand-made
+DTensor parameters) models on rank threads: clean
 FQNs, FQN-keyed optimizer state, cross-strategy and cross-world-size loads (bit-exact), the
 FSDP2 example's full-state-dict flow, and a torch DCP-style Stateful app state."""
 
@@ -23,6 +24,7 @@ from ringlet.distributed.checkpoint.state_dict import (
 from ringlet.distributed.checkpoint.stateful import Stateful
 from ringlet.distributed.fsdp import fully_shard
 from ringlet.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
+from ringlet.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from ringlet.nn.parallel import DistributedDataParallel as DDP
 from ringlet.testing import run_threads
 
@@ -69,6 +71,9 @@ def _build(kind: str, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     elif kind == "fsdp":
         fully_shard(net.fc1)
         fully_shard(net)
+    elif kind == "tp_api":                  # ringlet's tensor parallelism: fc1 column-wise, fc2 row-wise
+        parallelize_module(net, init_device_mesh("cpu", (world,)), {"fc1": ColwiseParallel(),
+                                                                     "fc2": RowwiseParallel()})
     elif kind == "tp":                      # hand-made TP: fc1 column-wise, fc2 row-wise DTensor parameters
         mesh = init_device_mesh("cpu", (world,))
         for mod, dim in ((net.fc1, 0), (net.fc2, 1)):
@@ -123,11 +128,11 @@ def _load_as(rank: int, world: int, kind: str, path: str) -> bool:
     return _same(kind, world, path)
 
 
-@pytest.mark.parametrize(("src", "n"), [("ddp", 2), ("fsdp", 2), ("tp", 2), ("fsdp", 3)])
+@pytest.mark.parametrize(("src", "n"), [("ddp", 2), ("fsdp", 2), ("tp", 2), ("fsdp", 3), ("tp_api", 2)])
 def test_model_and_optimizer_move_between_strategies_and_world_sizes(tmp_path, src: str, n: int) -> None:
     path = str(tmp_path / "ck")
     run_threads(_save_from, n, src, path)
-    for dst, m in (("ddp", 2), ("fsdp", 3), ("tp", 2), ("plain", 1), ("fsdp", 2)):
+    for dst, m in (("ddp", 2), ("fsdp", 3), ("tp", 2), ("plain", 1), ("fsdp", 2), ("tp_api", 3)):
         assert run_threads(_load_as, m, dst, path) == [True] * m, (src, n, dst, m)
 
 
