@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     ap.add_argument("--n-embd", type=int, default=d.n_embd)
     ap.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
     ap.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps")
+    ap.add_argument("--grad-clip", type=float, default=d.grad_clip,
+                    help="clip the gradient norm to this (0: off; not with tensor parallelism)")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--bf16", action="store_true", help="compute in bfloat16 (weights stay fp32)")
     ap.add_argument("--data", default=None, help="a text file to train on (default: Python's stdlib)")

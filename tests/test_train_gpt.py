@@ -32,14 +32,6 @@ def _gpt() -> Any:
     return trainer
 
 
-def tp_available() -> bool:
-    try:
-        import ringlet.distributed.tensor.parallel  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _train_each(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rank body: one training run per entry of ``runs`` (TrainConfig fields), in this world."""
     import torch
@@ -49,51 +41,75 @@ def _train_each(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[
     return [trainer.train(trainer.TrainConfig(**{**TINY, **run})) for run in runs]
 
 
-def _strategies() -> list[str]:
-    return [s for s in STRATEGIES if "tp" not in s or tp_available()]
+def _reference(tmp_path) -> dict[str, Any]:
+    """The same training on one process: what every strategy must reproduce."""
+    (ref,) = raise_first(run_world(1, _train_each, [{"strategy": "ddp", "out": str(tmp_path / "one")}],
+                                   timeout=60))[0]
+    assert len(ref["train_loss"]) == TINY["steps"] and ref["train_loss"][-1] < ref["train_loss"][0] - 0.3
+    return ref
+
+
+def _check_same(runs: list[dict[str, Any]], results: list[list[dict[str, Any]]], ref: dict[str, Any]) -> None:
+    for i, run in enumerate(runs):
+        got = results[0][i]
+        assert all(r[i]["train_loss"] == got["train_loss"] for r in results)    # every rank agrees
+        tol = 5e-2 if run.get("bf16") else 1e-4
+        assert got["train_loss"] == pytest.approx(ref["train_loss"], rel=tol, abs=tol), run
+        assert [v for _, v in got["val"]] == pytest.approx([v for _, v in ref["val"]], rel=tol, abs=tol), run
 
 
 @pytest.mark.timeout(120)
 def test_every_strategy_gives_the_same_losses(tmp_path) -> None:
     runs = [{"strategy": s, "out": str(tmp_path / s.replace("+", "_")),
-             "grad_accum": 2 if s in ("ddp", "fsdp") else 1} for s in _strategies()]
-    runs.append({"strategy": "fsdp", "bf16": True, "out": str(tmp_path / "bf16")})
-    results = raise_first(run_world(2, _train_each, runs, timeout=100))
-    (reference,) = raise_first(run_world(1, _train_each, [{"strategy": "ddp", "out": str(tmp_path / "one")}],
-                                         timeout=60))[0]
-    want = reference["train_loss"]
-    assert len(want) == TINY["steps"] and want[-1] < want[0] - 0.3, want   # it learns
-    for run, got in zip(runs, results[0], strict=True):
-        assert results[1][runs.index(run)]["train_loss"] == got["train_loss"]   # ranks agree
-        tol = 5e-2 if run.get("bf16") else 1e-4
-        assert got["train_loss"] == pytest.approx(want, rel=tol, abs=tol), run
-        assert [v for _, v in got["val"]] == pytest.approx([v for _, v in reference["val"]], rel=tol, abs=tol)
+             "grad_accum": 2 if s in ("ddp", "fsdp", "ddp+tp") else 1} for s in STRATEGIES if s != "fsdp+tp"]
+    runs += [{"strategy": s, "bf16": True, "out": str(tmp_path / f"bf16_{s}")} for s in ("fsdp", "tp")]
+    clipped = [{"strategy": s, "grad_clip": 0.3, "out": str(tmp_path / f"clip_{s}")} for s in ("ddp", "fsdp")]
+    results = raise_first(run_world(2, _train_each, runs + clipped, timeout=100))
+    ddp_clip, fsdp_clip = results[0][len(runs):]
+    assert fsdp_clip["train_loss"] == pytest.approx(ddp_clip["train_loss"], rel=1e-4, abs=1e-4)
+    assert ddp_clip["train_loss"][-1] != pytest.approx(results[0][0]["train_loss"][-1], abs=1e-3)  # it clipped
+    _check_same(runs, results, _reference(tmp_path))
 
 
-def _resume(rank: int, world: int, base: str, strategy: str) -> tuple[list[float], list[float]]:
+@pytest.mark.timeout(60)
+def test_fsdp_over_tensor_parallel_gives_the_same_losses(tmp_path) -> None:
+    runs = [{"strategy": "fsdp+tp", "grad_accum": 2, "out": str(tmp_path / "fsdp_tp")}]
+    results = run_world(2, _train_each, runs, timeout=50)
+    if any(r.exc_type == "NotImplementedError" and "tensor parallelism" in r.message for r in results):
+        pytest.xfail("fully_shard does not compose with tensor parallelism yet")
+    _check_same(runs, raise_first(results), _reference(tmp_path))
+
+
+def _resume(rank: int, world: int, base: str, strategy: str, then: str) -> list[list[float]]:
     import torch
+
+    import ringlet.distributed as dist
 
     trainer = _gpt()
     torch.set_num_threads(1)
-    cfg = {**TINY, "strategy": strategy, "steps": 8, "checkpoint_every": 4}
-    full = trainer.train(trainer.TrainConfig(**cfg, out=os.path.join(base, "full")))
+    cfg = {**TINY, "steps": 8, "checkpoint_every": 4}
+    full = trainer.train(trainer.TrainConfig(**cfg, strategy=strategy, out=os.path.join(base, "full")))
     if rank == 0:     # an interrupted run: only the checkpoint after step 4 survived
-        shutil.copytree(os.path.join(base, "full", "checkpoints", "step_000004"),
-                        os.path.join(base, "cut", "checkpoints", "step_000004"))
-    import ringlet.distributed as dist
-
+        for cut in ("cut", "cut2"):
+            shutil.copytree(os.path.join(base, "full", "checkpoints", "step_000004"),
+                            os.path.join(base, cut, "checkpoints", "step_000004"))
     dist.barrier()
-    resumed = trainer.train(trainer.TrainConfig(**cfg, out=os.path.join(base, "cut"), resume=True))
-    return full["train_loss"], resumed["train_loss"]
+    same = trainer.train(trainer.TrainConfig(**cfg, strategy=strategy, out=os.path.join(base, "cut"),
+                                             resume=True))
+    other = trainer.train(trainer.TrainConfig(**cfg, strategy=then, out=os.path.join(base, "cut2"),
+                                              resume=True))
+    return [full["train_loss"], same["train_loss"], other["train_loss"]]
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("strategy", ["fsdp"])
-def test_resume_continues_with_the_same_losses(tmp_path, strategy: str) -> None:
-    for full, resumed in raise_first(run_world(2, _resume, str(tmp_path), strategy, timeout=80)):
-        assert len(full) == len(resumed) == 8
-        assert resumed[:4] == full[:4]                       # the history came back with the checkpoint
-        assert resumed[4:] == pytest.approx(full[4:], rel=1e-6, abs=1e-6)
+def test_resume_continues_with_the_same_losses(tmp_path) -> None:
+    """fsdp checkpoint after step 4 of 8: resumed under fsdp, then under tp (resharded on load)."""
+    then = "tp"
+    for full, same, other in raise_first(run_world(2, _resume, str(tmp_path), "fsdp", then, timeout=80)):
+        assert len(full) == len(same) == len(other) == 8
+        assert same[:4] == other[:4] == full[:4]             # the history came back with the checkpoint
+        assert same[4:] == pytest.approx(full[4:], rel=1e-6, abs=1e-6)
+        assert other[4:] == pytest.approx(full[4:], rel=1e-4, abs=1e-4)
 
 
 @pytest.mark.timeout(120)

@@ -121,7 +121,10 @@ def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int, block_size
     g = torch.Generator().manual_seed(seed)
     idx = prompt[None, :]
     for _ in range(new_tokens):
-        logits = model(idx[:, -block_size:])[0, -1].float() / temperature
+        logits = model(idx[:, -block_size:])
+        if hasattr(logits, "full_tensor"):    # tensor parallel: a DTensor split by vocabulary
+            logits = logits.full_tensor()
+        logits = logits[0, -1].float() / temperature
         top = torch.topk(logits, min(top_k, logits.numel()))
         probs = F.softmax(top.values, dim=-1)
         nxt = top.indices[torch.multinomial(probs, 1, generator=g)]

@@ -30,6 +30,13 @@ from torch import nn
 
 from ringlet.distributed import init_device_mesh
 from ringlet.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from ringlet.distributed.tensor import Replicate
+from ringlet.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from ringlet.nn.parallel import DistributedDataParallel as DDP
 
 STRATEGIES = ("ddp", "fsdp", "hsdp", "tp", "fsdp+tp", "ddp+tp")
@@ -120,6 +127,10 @@ class Parallel:
         else:
             yield     # tensor parallelism alone has no gradient all-reduce to skip
 
+    def loss_parallel(self) -> contextlib.AbstractContextManager:
+        """Around the loss and its backward: cross-entropy on vocabulary-sharded logits (TP)."""
+        return loss_parallel() if self.layout.tp > 1 else contextlib.nullcontext()
+
     def autocast(self) -> contextlib.AbstractContextManager:
         """bf16 compute: fully_shard does it with a MixedPrecisionPolicy, the others with autocast."""
         if not self.bf16 or self.layout.strategy in ("fsdp", "hsdp", "fsdp+tp"):
@@ -154,16 +165,9 @@ def _tensor_parallel(model: nn.Module, tp_mesh: object) -> None:
 
     Each rank computes its own heads and its own slice of the MLP's hidden layer; one
     all-reduce after the attention output projection and one after the MLP put the residual
-    stream back together.  Embeddings, norms and the head stay replicated.
+    stream back together.  The token embedding and the head are split by vocabulary; position
+    embeddings and norms stay replicated (plain tensors, the same on every rank).
     """
-    try:
-        from ringlet.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
-    except ImportError as e:
-        raise SystemExit(f"tensor parallelism is not available in this ringlet ({e})") from e
     tp = tp_mesh.size()
     if model.cfg.n_head % tp:
         raise ValueError(f"--tp: expected a divisor of the number of heads {model.cfg.n_head}, got {tp}")
@@ -174,3 +178,9 @@ def _tensor_parallel(model: nn.Module, tp_mesh: object) -> None:
     }
     for block in model.blocks:
         parallelize_module(block, tp_mesh, plan)
+    parallelize_module(model, tp_mesh, {
+        # Each rank holds a slice of the vocabulary's rows; one all-reduce assembles the output.
+        "tok_emb": RowwiseParallel(input_layouts=Replicate()),
+        # Logits stay split by vocabulary (a DTensor): loss_parallel() computes the loss on them.
+        "head": ColwiseParallel(use_local_output=False),
+    })

@@ -44,7 +44,7 @@ class TrainConfig:
     lr: float = 3e-3
     warmup: int = 30
     weight_decay: float = 0.1
-    grad_clip: float = 1.0
+    grad_clip: float = 0.0           # clip_grad_norm_ (ddp, fsdp, hsdp only); 0: off
     seed: int = 1337
     bf16: bool = False
     data: str | None = None
@@ -93,7 +93,8 @@ def train_step(par: Parallel, opt: torch.optim.Optimizer, data: TextData, cfg: T
     for micro in range(cfg.grad_accum):
         rows = _rows(par, cfg, micro)
         last = micro == cfg.grad_accum - 1
-        with contextlib.nullcontext() if last else par.no_sync():   # communicate on the last only
+        sync = contextlib.nullcontext() if last else par.no_sync()   # communicate on the last only
+        with sync, par.loss_parallel():
             loss = loss_of(par, x[rows], y[rows]) / cfg.grad_accum
             loss.backward()
         total += loss.item()
@@ -115,7 +116,8 @@ def evaluate(par: Parallel, data: TextData, cfg: TrainConfig) -> float:
         x, y = data.batch("val", cfg.seed + 7919 * (i + 1), cfg.batch_size)
         for micro in range(cfg.grad_accum):
             rows = _rows(par, cfg, micro)
-            total += loss_of(par, x[rows], y[rows]).item()
+            with par.loss_parallel():
+                total += loss_of(par, x[rows], y[rows]).item()
     par.model.train()
     return _world_mean([total / (cfg.eval_batches * cfg.grad_accum)])[0]
 
@@ -127,7 +129,12 @@ def _world_mean(values: list[float]) -> list[float]:
     return (t / dist.get_world_size()).tolist()
 
 
-def check_config(cfg: TrainConfig, dp: int) -> None:
+def check_config(cfg: TrainConfig, dp: int, tp: int) -> None:
+    if cfg.grad_clip > 0 and tp > 1:
+        # Under TP some parameters are DTensors and some plain (and DDP hands DDP+TP's to the
+        # optimizer as local shards): clip_grad_norm_ would see only this rank's pieces.
+        raise ValueError(f"--grad-clip: expected 0 with tensor parallelism (--strategy {cfg.strategy}), "
+                         f"got {cfg.grad_clip}")
     if cfg.steps < 1 or cfg.grad_accum < 1:
         raise ValueError(f"--steps and --grad-accum: expected >= 1, got {cfg.steps} and {cfg.grad_accum}")
     if cfg.batch_size % (cfg.grad_accum * dp):
@@ -138,7 +145,7 @@ def check_config(cfg: TrainConfig, dp: int) -> None:
 def build(cfg: TrainConfig) -> tuple[Parallel, torch.optim.Optimizer, TextData]:
     """The data, the model spread over the ranks, and its optimizer."""
     layout = default_layout(cfg.strategy, dist.get_world_size(), cfg.tp, cfg.replicate)
-    check_config(cfg, layout.dp)
+    check_config(cfg, layout.dp, layout.tp)
     data = TextData.load(cfg.data, cfg.block_size, cfg.data_bytes)
     torch.manual_seed(cfg.seed)             # the same initial weights on every rank
     model = GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
