@@ -9,6 +9,7 @@
 | ``RINGLET_RUNTIME_DIR`` | private (0700) directory of this user's host secrets (stores started without a token) | ``/tmp/ringlet-<uid>`` |
 | ``RINGLET_SHM_SLOT_BYTES`` | bytes of one shared-memory slot (chunk size) per rank | 1 MiB |
 | ``RINGLET_SAFE_OBJECTS`` | ``1`` on every rank: object collectives build only plain data and tensors (``torch.load(weights_only=True)``; docs/security.md) | 0 |
+| ``RINGLET_HEARTBEAT_TIMEOUT`` | seconds without progress after which ``ringlet-run`` kills a worker (0: off); ``--heartbeat-timeout`` | 0 |
 | ``RINGLET_AGENT_STORE`` | ``1``: the launcher hosts the store; every rank connects as a client | 0 |
 | ``RINGLET_CHECKS`` | ``0``: skip the per-collective fingerprint comparison (for measuring its cost only) | 1 |
 | ``RINGLET_STRAGGLER_REPORT`` | seconds between per-rank straggler lines logged by the watchdog (0: off) | 0 |
@@ -91,6 +92,20 @@ def shm_slot_bytes() -> int:
 
 def safe_objects() -> bool:
     return os.environ.get("RINGLET_SAFE_OBJECTS", "0") not in ("", "0", "false", "False")
+
+
+def heartbeat_timeout() -> float:
+    """``RINGLET_HEARTBEAT_TIMEOUT``: the launcher's default ``--heartbeat-timeout`` (0: off)."""
+    raw = os.environ.get("RINGLET_HEARTBEAT_TIMEOUT", "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"RINGLET_HEARTBEAT_TIMEOUT: expected seconds, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"RINGLET_HEARTBEAT_TIMEOUT: expected seconds >= 0, got {raw!r}")
+    return value
 
 
 def agent_store() -> bool:

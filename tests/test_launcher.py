@@ -76,7 +76,11 @@ def test_defaults_modes_and_endpoints() -> None:
     (["-m", "--no-python", "t.py"], "expected at most one of -m/--module and --no-python"),
     (["--standalone", "--nnodes", "2", "t.py"], "expected --nnodes 1 with --standalone, got 2"),
     (["--rdzv-endpoint", "h:x", "t.py"], "expected --rdzv-endpoint HOST"),
-    (["--tee", "3", "t.py"], "unrecognized arguments"),
+    (["--tee", "9", "t.py"], r"expected --tee as 0-3 or LOCAL_RANK:0-3 pairs"),
+    (["--redirects", "0:x", "t.py"], r"expected --redirects as 0-3"),
+    (["--local-ranks-filter", "a", "t.py"], "expected --local-ranks-filter as comma-separated"),
+    (["--heartbeat-timeout", "-1", "t.py"], "expected --heartbeat-timeout >= 0, got -1.0"),
+    (["--nosuchflag", "t.py"], "unrecognized arguments"),
     ([], "required: training_script"),
 ])
 def test_validation_errors(argv: list[str], message: str) -> None:

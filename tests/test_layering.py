@@ -11,6 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "ringlet"
 LAYERS = {
     "ringlet.errors": 0, "ringlet._env": 0, "ringlet._version": 0,
     "ringlet._segments": 0,         # shm segment names and their sweep (transport and launcher)
+    "ringlet._heartbeat": 0,        # progress beats: c10d writes, the launcher reads
     "ringlet.store": 1,
     "ringlet.transport": 2,
     "ringlet.c10d": 3,

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ringlet._heartbeat import beat
 from ringlet.c10d import faults
 from ringlet.c10d.pg_methods import TorchGroupMethods
 from ringlet.c10d.work import Executor, Work
@@ -150,6 +151,7 @@ class ProcessGroup(TorchGroupMethods):
         named ``<backend>:<label>`` (default label: ``ctx.op``) recording ``inputs``
         (default: ``result``), see [Note: profiler events].
         """
+        beat()   # progress, for ringlet-run --heartbeat-timeout ([Note: heartbeat])
         if self._fault is not None:
             self._fault.maybe_fire(ctx)
         op = ctx.op

@@ -66,7 +66,7 @@ def run_nodes(config: LaunchConfig) -> int:
 
 def _join_and_run(config: LaunchConfig, store: TCPStore, where: str, signals: Signals, rdir: str,
                   token_file: str) -> int:
-    from ringlet.launcher.run import Run
+    from ringlet.launcher.run import Run, make_log_root
 
     info = {"nnodes": config.nnodes, "nproc_per_node": config.nproc_per_node,
             "max_restarts": config.max_restarts, "version": launcher_version()}
@@ -80,7 +80,7 @@ def _join_and_run(config: LaunchConfig, store: TCPStore, where: str, signals: Si
     say(f"node {config.node_rank}/{config.nnodes} joined run {run_id}: ranks "
         f"{config.global_rank(0)}..{config.global_rank(config.nproc_per_node - 1)} of {config.world_size}")
     run = Run(config=config, run_id=run_id, run_dir=rdir, token_file=token_file, port=store.port,
-              signals=signals)
+              signals=signals, log_root=make_log_root(config, run_id))
     try:
         return _supervise(run, nodes)
     except RendezvousFailed as err:

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ringlet import _env
+from ringlet._heartbeat import ENV as HEARTBEAT_ENV
+from ringlet.launcher._logs import parse_ranks_filter, parse_std
 from ringlet.launcher._schedulers import KINDS, detect
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
 ]
 
 PROG = "ringlet-run"
+LEGACY_PROG = "python -m ringlet.distributed.launch"
 WORKER_MODULE = "ringlet.launcher._worker"
 
 
@@ -53,6 +56,12 @@ class LaunchConfig:
     local_rank_base: int = 0  # LOCAL_RANK of local worker 0 (one-task-per-rank schedulers)
     local_world_size: int = 0  # LOCAL_WORLD_SIZE; 0 means nproc_per_node
     scheduler: str | None = None  # where --from-env found the job's shape, for messages
+    log_dir: str | None = None  # --log-dir: per-rank log files, one folder per attempt (_logs)
+    redirects: str = "0"  # -r: streams that go to the log files only ("3", "0:1,1:2")
+    tee: str = "0"  # -t: streams that go to the log files and the console
+    local_ranks_filter: str = ""  # console shows only these local ranks ("0,1"); "" = all
+    heartbeat_timeout: float = 0.0  # kill a worker silent this long (s); 0 = off (_watch)
+    local_rank_arg: str | None = None  # legacy launch: "--local-rank" passed as "--local-rank=N"
 
     def __post_init__(self) -> None:
         _check(bool(self.entrypoint), "a training script, module or command", repr(self.entrypoint))
@@ -79,6 +88,10 @@ class LaunchConfig:
             self.nnodes,
         )
         _check(self.rdzv_timeout > 0, "--rdzv-timeout > 0", self.rdzv_timeout)
+        _check(self.heartbeat_timeout >= 0, "--heartbeat-timeout >= 0", self.heartbeat_timeout)
+        parse_std(self.redirects, "--redirects")
+        parse_std(self.tee, "--tee")
+        parse_ranks_filter(self.local_ranks_filter)
 
     @property
     def world_size(self) -> int:
@@ -156,9 +169,20 @@ def _seconds(value: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``ringlet-run`` parser; torchrun's dash and underscore spellings are both accepted."""
-    p = _Parser(prog=PROG, allow_abbrev=False, description="Launch local worker processes.")
+def build_parser(legacy_launch: bool = False) -> argparse.ArgumentParser:
+    """The ``ringlet-run`` parser; torchrun's dash and underscore spellings are both accepted.
+
+    ``legacy_launch`` adds ``torch.distributed.launch``'s ``--use-env`` (``ringlet.launcher.launch``).
+    """
+    p = _Parser(prog=LEGACY_PROG if legacy_launch else PROG, allow_abbrev=False,
+                description="Launch local worker processes.")
+    if legacy_launch:
+        p.add_argument("--use-env", "--use_env", action="store_true",
+                       help="give the local rank in LOCAL_RANK only; without it the script also gets "
+                            "--local-rank=N, as torch.distributed.launch did")
+        p.add_argument("--local-rank-spelling", "--local_rank_spelling", choices=("dash", "underscore"), default="dash",
+                       help="pass --local-rank=N (torch >= 2.0, default) or --local_rank=N (older "
+                            "scripts whose parser knows only that spelling)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=parse_nproc, default=1,
                    metavar="N", help="workers on this node: an integer, 'cpu' or 'auto'")
     p.add_argument("--nnodes", type=_nnodes, default=None, help="number of nodes (default 1)")
@@ -185,6 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--monitor-interval", "--monitor_interval", type=_seconds, default=0.1)
     p.add_argument("--grace-period", "--grace_period", type=_seconds, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping workers")
+    p.add_argument("--log-dir", "--log_dir", default=None, metavar="DIR",
+                   help="write each worker's stdout/stderr to DIR/<run id>/attempt_<n>/<local rank>/")
+    p.add_argument("-r", "--redirects", default="0", metavar="SPEC",
+                   help="send streams to the log files only: 1 stdout, 2 stderr, 3 both; for all "
+                        "local ranks ('3') or per rank ('0:1,1:2')")
+    p.add_argument("-t", "--tee", default="0", metavar="SPEC",
+                   help="send streams to the log files and the console (same SPEC as --redirects)")
+    p.add_argument("--local-ranks-filter", "--local_ranks_filter", default="", metavar="RANKS",
+                   help="show only these local ranks on the console, e.g. 0,1 (log files get all)")
+    p.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=_seconds, default=None,
+                   metavar="S", help="kill a worker that shows no progress for S seconds and count it "
+                                     "as a failure (default RINGLET_HEARTBEAT_TIMEOUT, 0 = off)")
     p.add_argument("-m", "--module", action="store_true",
                    help="run the entrypoint as a module, like python -m")
     p.add_argument("--no-python", "--no_python", action="store_true",
@@ -204,14 +240,24 @@ def _endpoint(text: str) -> tuple[str, int | None]:
         raise ValueError(f"expected --rdzv-endpoint HOST[:PORT], got {text!r}") from None
 
 
-def parse_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> LaunchConfig:
+def _legacy_local_rank(ns: argparse.Namespace) -> str | None:
+    if not hasattr(ns, "use_env") or ns.use_env:
+        return None
+    if ns.no_python:
+        raise ValueError("expected --use-env with --no-python (a command cannot parse --local-rank), "
+                         "got --no-python alone")
+    return "--local_rank" if ns.local_rank_spelling == "underscore" else "--local-rank"
+
+
+def parse_args(argv: Sequence[str], env: Mapping[str, str] | None = None,
+               legacy_launch: bool = False) -> LaunchConfig:
     """Parse a ``ringlet-run`` command line (without the program name).
 
     ``env`` (default ``os.environ``) is read only with ``--from-env`` and for ``MASTER_ADDR``/
     ``MASTER_PORT`` fallbacks in that mode.  Raises ``ValueError`` worded "expected …, got …"
     for bad values, and argparse's wording for unknown flags or a missing script.
     """
-    ns = build_parser().parse_args(list(argv))
+    ns = build_parser(legacy_launch).parse_args(list(argv))
     env = os.environ if env is None else env
     addr, port = ns.master_addr, ns.master_port
     if ns.rdzv_endpoint:
@@ -252,6 +298,13 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Lau
         no_python=ns.no_python,
         token_file=ns.rdzv_token_file,
         rdzv_timeout=ns.rdzv_timeout if ns.rdzv_timeout is not None else _env.timeout_seconds(),
+        log_dir=ns.log_dir,
+        redirects=ns.redirects,
+        tee=ns.tee,
+        local_ranks_filter=ns.local_ranks_filter,
+        heartbeat_timeout=(ns.heartbeat_timeout if ns.heartbeat_timeout is not None
+                           else _env.heartbeat_timeout()),
+        local_rank_arg=_legacy_local_rank(ns),
         **cfg,  # type: ignore[arg-type]
     )
     config.check_reachable()
@@ -274,6 +327,7 @@ def worker_env(
     token_file: str,
     launcher_pid: int | None = None,
     base_env: Mapping[str, str] | None = None,
+    heartbeat_file: str | None = None,
 ) -> dict[str, str]:
     """The full environment of one worker: ``base_env`` plus torchrun's and ringlet's variables.
 
@@ -321,14 +375,22 @@ def worker_env(
     })
     if launcher_pid is not None:
         env["RINGLET_LAUNCHER_PID"] = str(launcher_pid)
+    env.pop(HEARTBEAT_ENV, None)   # a worker's own workers must not beat for it by accident
+    if heartbeat_file is not None:
+        env[HEARTBEAT_ENV] = heartbeat_file
     return env
 
 
-def worker_command(config: LaunchConfig, python: str | None = None) -> list[str]:
-    """argv of every worker: the bootstrap module, then the user's entrypoint and arguments."""
+def worker_command(config: LaunchConfig, python: str | None = None,
+                   local_rank: int | None = None) -> list[str]:
+    """argv of a worker: the bootstrap module, then the user's entrypoint and arguments (plus
+    ``--local-rank=N`` for ``python -m ringlet.distributed.launch`` without ``--use-env``)."""
     head = [python or sys.executable, "-m", WORKER_MODULE]
     if config.module:
         head.append("-m")
     elif config.no_python:
         head.append("--no-python")
-    return [*head, config.entrypoint, *config.args]
+    tail = []
+    if config.local_rank_arg is not None and local_rank is not None:
+        tail.append(f"{config.local_rank_arg}={config.local_rank_base + local_rank}")
+    return [*head, config.entrypoint, *tail, *config.args]   # where torch's launch puts it

@@ -19,20 +19,23 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO, Literal
+from typing import Literal
 
 from ringlet._segments import sweep_stale
+from ringlet.launcher._forward import Sink, start_forwarder
 from ringlet.launcher._reaper import Reaper
+from ringlet.launcher._watch import Heartbeats, kill_hung, wait_workers
 
-__all__ = ["Generation", "GenerationResult", "Worker", "WorkerFailure", "WorkerStartError", "describe_exit"]
+__all__ = ["Generation", "GenerationResult", "Worker", "WorkerFailure", "WorkerSpec", "WorkerStartError",
+           "describe_exit"]
 
-_OUTPUT_LOCK = threading.Lock()  # one writer at a time, so prefixed lines never interleave
 _READER_JOIN_S = 2.0  # pipes held open by a worker's stray children must not block exit
 
 
@@ -50,19 +53,36 @@ class WorkerStartError(RuntimeError):
     """The operating system refused to start a worker (fork or exec failed)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec:
+    """Everything needed to start and watch one worker (built by ``run.run_generation``)."""
+
+    rank: int
+    local_rank: int
+    command: Sequence[str]
+    env: dict[str, str]
+    error_file: str
+    stdout: Sink    # console/file sinks; their files are opened here, closed by the forwarders
+    stderr: Sink
+    log_files: tuple[str, ...] = ()     # the stdout/stderr log paths, for the failure summary
+    heartbeat_file: str | None = None
+
+
 @dataclass
 class Worker:
     """One running worker and the threads forwarding its output."""
 
-    rank: int
-    local_rank: int
+    spec: WorkerSpec
     popen: subprocess.Popen[bytes]
-    error_file: str
     readers: list[threading.Thread] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
 
 
 @dataclass(frozen=True)
@@ -75,9 +95,14 @@ class WorkerFailure:
     returncode: int
     timestamp: float  # from the error file when the worker wrote one, else when seen dead
     error: dict[str, object] | None  # the worker's error file, if any
+    hung_s: float | None = None  # killed by the launcher after this long without a heartbeat
+    log_files: tuple[str, ...] = ()  # where its output went, when it was logged
 
     @property
     def reason(self) -> str:
+        if self.hung_s is not None:
+            return (f"no progress for {self.hung_s:.1f} s (--heartbeat-timeout); hung, killed "
+                    f"with {describe_exit(self.returncode).removeprefix('signal ')}")
         return describe_exit(self.returncode)
 
 
@@ -90,20 +115,6 @@ class GenerationResult:
     message: str = ""  # for start_failed: which worker and why
 
 
-def _forward(stream: BinaryIO, sink: BinaryIO, prefix: bytes) -> None:
-    try:
-        for line in iter(stream.readline, b""):
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            with _OUTPUT_LOCK:
-                sink.write(prefix + line)
-                sink.flush()
-    except (OSError, ValueError):
-        pass  # the sink or the pipe went away while the launcher shuts down
-    finally:
-        stream.close()
-
-
 def read_error_file(path: str) -> dict[str, object] | None:
     """The worker's error record, or None; torch's ``@record`` format is read too."""
     try:
@@ -114,6 +125,8 @@ def read_error_file(path: str) -> dict[str, object] | None:
     if not isinstance(data, dict):
         return None
     msg = data.get("message")
+    if isinstance(msg, dict) and "traceback" in data:   # ringlet's, with torch's nested record
+        return {**data, "message": msg.get("message", "")}
     if isinstance(msg, dict):  # torch.distributed.elastic's {"message": {"extraInfo": ...}}
         extra = msg.get("extraInfo") or {}
         data = {
@@ -125,34 +138,24 @@ def read_error_file(path: str) -> dict[str, object] | None:
 
 
 class Generation:
-    """Workers of one restart generation.
+    """Workers of one restart generation, one :class:`WorkerSpec` each.
 
-    ``command`` and ``envs`` come from the plan (``_plan.worker_command``/``worker_env``),
-    one env per local rank; ``ranks`` maps local rank -> global rank.
+    ``heartbeat_timeout`` > 0 watches every worker's heartbeat file ([Note: heartbeat]);
+    ``python_workers`` says whether a hung worker can be asked for its stacks (SIGUSR1).
     """
 
-    def __init__(
-        self,
-        command: Sequence[str],
-        envs: Sequence[dict[str, str]],
-        ranks: Sequence[int],
-        error_files: Sequence[str],
-        *,
-        stdout: BinaryIO,
-        stderr: BinaryIO,
-    ) -> None:
-        if not len(envs) == len(ranks) == len(error_files):
-            raise AssertionError(
-                f"expected one env, rank and error file per worker, got "
-                f"{len(envs)}, {len(ranks)}, {len(error_files)}"
-            )
-        self._command = list(command)
-        self._envs = list(envs)
-        self._ranks = list(ranks)
-        self._error_files = list(error_files)
-        self._stdout, self._stderr = stdout, stderr
+    def __init__(self, specs: Sequence[WorkerSpec], *, heartbeat_timeout: float = 0.0,
+                 python_workers: bool = True) -> None:
+        self._specs = list(specs)
         self.workers: list[Worker] = []
         self._reaper: Reaper | None = None
+        self._python = python_workers
+        self._heartbeats: Heartbeats | None = None
+        if heartbeat_timeout > 0:
+            paths = [sp.heartbeat_file for sp in self._specs]
+            if any(p is None for p in paths):
+                raise AssertionError("expected a heartbeat file per worker with a heartbeat timeout")
+            self._heartbeats = Heartbeats([p for p in paths if p is not None], heartbeat_timeout)
 
     def start(self) -> None:
         """Start every worker.
@@ -162,67 +165,65 @@ class Generation:
                 limits); the caller stops the ones already started.
         """
         self._reaper = Reaper()
-        for local_rank, (env, rank) in enumerate(zip(self._envs, self._ranks, strict=True)):
-            try:
-                popen = subprocess.Popen(
-                    self._command,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    process_group=0,
-                )
-            except OSError as e:
-                raise WorkerStartError(
-                    f"could not start the worker of rank {rank} (local rank {local_rank}; "
-                    f"{len(self.workers)} of {len(self._envs)} started): {e.strerror or e} -- the "
-                    "machine refused a new process (process, memory or file limits: see ulimit -a); "
-                    "try a smaller --nproc-per-node") from None
-            worker = Worker(rank, local_rank, popen, self._error_files[local_rank])
+        if self._heartbeats is not None:
+            self._heartbeats.create()
+        for spec in self._specs:
+            popen = self._spawn(spec)
+            worker = Worker(spec, popen)
             self.workers.append(worker)
-            prefix = f"[rank{rank}]: ".encode()
-            for stream, sink in ((popen.stdout, self._stdout), (popen.stderr, self._stderr)):
+            for stream, sink in ((popen.stdout, spec.stdout), (popen.stderr, spec.stderr)):
                 if stream is None:
                     raise AssertionError("expected a pipe for the worker's output, got None")
-                t = threading.Thread(
-                    target=_forward, args=(stream, sink, prefix),
-                    name=f"ringlet-run-rank{rank}-output", daemon=True,
-                )
-                t.start()
-                worker.readers.append(t)
+                worker.readers.append(start_forwarder(stream, sink, f"ringlet-run-rank{spec.rank}-output"))
+
+    def _spawn(self, spec: WorkerSpec) -> subprocess.Popen[bytes]:
+        try:
+            return subprocess.Popen(
+                list(spec.command),
+                env=spec.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                process_group=0,
+            )
+        except OSError as e:
+            for sink in (spec.stdout, spec.stderr):
+                if sink.file is not None:
+                    sink.file.close()
+            raise WorkerStartError(
+                f"could not start the worker of rank {spec.rank} (local rank {spec.local_rank}; "
+                f"{len(self.workers)} of {len(self._specs)} started): {e.strerror or e} -- the "
+                "machine refused a new process (process, memory or file limits: see ulimit -a); "
+                "try a smaller --nproc-per-node") from None
 
     def watch(
         self, interval: float, interrupted: Callable[[], int | None],
         elsewhere: Callable[[], bool] | None = None,
     ) -> GenerationResult:
-        """Poll every ``interval`` s until all workers succeed, one fails, a signal arrives, or
-        ``elsewhere()`` says the job failed on another node (multi-node runs)."""
-        while True:
-            signum = interrupted()
-            if signum is not None:
-                return GenerationResult("interrupted", signum=signum)
-            if elsewhere is not None and elsewhere():
-                return GenerationResult("stopped")
-            codes = [w.popen.poll() for w in self.workers]
-            failed = [w for w, rc in zip(self.workers, codes, strict=True) if rc not in (None, 0)]
-            if failed:
-                return GenerationResult("failed", failures=self._failures(failed))
-            if all(rc == 0 for rc in codes):
-                return GenerationResult("succeeded")
-            time.sleep(interval)
+        """Wait until all workers succeed, one fails or hangs (heartbeat), a signal arrives, or
+        ``elsewhere()`` says the job failed on another node (multi-node runs).  Blocks on the
+        workers' pidfds and the signal pipe; ``interval`` paces the periodic checks only."""
+        popens = [w.popen for w in self.workers]
+        out = wait_workers(popens, interval, interrupted, elsewhere, self._heartbeats,
+                           lambda i: kill_hung(popens[i], self._python))
+        if out.state == "failed":
+            failed = [self.workers[i] for i in out.failed]
+            return GenerationResult("failed", failures=self._failures(failed, out.hung, out.failed))
+        return GenerationResult(out.state, signum=out.signum)  # type: ignore[arg-type]
 
     @staticmethod
-    def _failures(failed: list[Worker]) -> tuple[WorkerFailure, ...]:
+    def _failures(failed: list[Worker], hung: dict[int, float],
+                  indices: list[int]) -> tuple[WorkerFailure, ...]:
         seen = time.time()
         out = []
-        for w in failed:
-            error = read_error_file(w.error_file)
+        for w, i in zip(failed, indices, strict=True):
+            error = read_error_file(w.spec.error_file)
             stamp = error.get("timestamp") if error else None
             out.append(WorkerFailure(
-                rank=w.rank, local_rank=w.local_rank, pid=w.pid,
-                returncode=int(w.popen.returncode),
+                rank=w.rank, local_rank=w.spec.local_rank, pid=w.pid,
+                returncode=int(w.popen.returncode if w.popen.returncode is not None else -9),
                 timestamp=float(stamp) if isinstance(stamp, int | float) else seen,
-                error=error,
+                error=error, hung_s=hung.get(i), log_files=w.spec.log_files,
             ))
         return tuple(sorted(out, key=lambda f: (f.timestamp, f.rank)))
 
@@ -242,11 +243,7 @@ class Generation:
         if any(w.popen.poll() is None for w in self.workers):
             self._signal_all(signal.SIGTERM)
             reaper.signal(signal.SIGTERM, pids)
-            deadline = time.monotonic() + grace_period
-            while time.monotonic() < deadline:
-                if all(w.popen.poll() is not None for w in self.workers):
-                    break
-                time.sleep(0.02)
+            _wait_all([w.popen for w in self.workers], grace_period)
         # Also reaches descendants of workers that already exited.
         self._signal_all(signal.SIGKILL)
         for w in self.workers:
@@ -261,3 +258,29 @@ class Generation:
         for w in self.workers:
             for t in w.readers:
                 t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._heartbeats is not None:
+            self._heartbeats.close()
+
+
+def _wait_all(popens: Sequence[subprocess.Popen[bytes]], seconds: float) -> None:
+    """Until every process exited or ``seconds`` passed, blocked on their pidfds."""
+    deadline = time.monotonic() + seconds
+    fds: list[int] = []
+    with selectors.DefaultSelector() as sel:
+        try:
+            for p in popens:
+                if p.poll() is None:
+                    fds.append(os.pidfd_open(p.pid))
+                    sel.register(fds[-1], selectors.EVENT_READ)
+        except (OSError, AttributeError):   # no pidfds: wake on a short timer instead
+            pass
+        try:
+            while any(p.poll() is None for p in popens):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                for key, _ in sel.select(remaining if fds else min(remaining, 0.02)):
+                    sel.unregister(key.fd)
+        finally:
+            for fd in fds:
+                os.close(fd)

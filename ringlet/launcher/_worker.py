@@ -73,15 +73,22 @@ def _user_traceback(tb: TracebackType | None) -> TracebackType | None:
 
 
 def write_error_file(path: str, exc: BaseException, tb: TracebackType | None) -> None:
-    """Write one uncaught exception as JSON to ``path`` (atomically: temp file + rename)."""
+    """Write one exception as JSON to ``path`` (atomically: temp file + rename).
+
+    The record is readable by both launchers: ringlet's fields at the top level, and torch
+    elastic's ``{"message": {"message", "extraInfo": {"py_callstack", "timestamp"}}}``.
+    """
+    now = time.time()
+    text = "".join(traceback.format_exception(type(exc), exc, _user_traceback(tb)))
     record = {
         "rank": int(os.environ.get("RANK", "-1")),
         "local_rank": int(os.environ.get("LOCAL_RANK", "-1")),
         "pid": os.getpid(),
-        "timestamp": time.time(),
+        "timestamp": now,
         "exc_type": type(exc).__qualname__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, _user_traceback(tb))),
+        "traceback": text,
+        "message": {"message": f"{type(exc).__name__}: {exc}",
+                    "extraInfo": {"py_callstack": text, "timestamp": str(int(now))}},
     }
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -134,6 +141,8 @@ def main(argv: list[str]) -> None:
         sys.stdout.flush()
         os.execvp(argv[1], argv[1:])
     faulthandler.enable()
+    # ringlet-run --heartbeat-timeout asks a hung worker for its stacks before killing it.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if argv[0] == "-m":
         _run_module(argv[1], argv[2:])
     else:

@@ -51,13 +51,17 @@ import os
 import secrets
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import BinaryIO
 
 from ringlet import _env
 from ringlet.errors import DistError
 from ringlet.launcher._capacity import max_workers, read_limits
+from ringlet.launcher._forward import Sink, colour_wanted, prefix
+from ringlet.launcher._logs import log_paths, stream_plan, wants_files
 from ringlet.launcher._plan import (
     PROG,
     LaunchConfig,
@@ -73,6 +77,7 @@ from ringlet.launcher._supervisor import (
     Generation,
     GenerationResult,
     WorkerFailure,
+    WorkerSpec,
     WorkerStartError,
 )
 from ringlet.store import TCPStore
@@ -97,9 +102,13 @@ def failure_summary(first: WorkerFailure, others: Sequence[WorkerFailure], attem
         lines.append("  traceback:")
         lines.extend("    " + line for line in tb.rstrip("\n").splitlines())
     else:
-        lines.append("  traceback: none recorded (the worker wrote no error file)")
+        lines.append("  traceback: none recorded (the worker wrote no error file; decorate its main "
+                     "with ringlet.distributed.elastic.multiprocessing.errors.record)")
+    if first.log_files:
+        lines.append(f"  log: {' '.join(first.log_files)}")
     for f in others:
-        lines.append(f"  also failed: rank {f.rank}, pid {f.pid}, {f.reason}")
+        log = f" (log: {f.log_files[-1]})" if f.log_files else ""
+        lines.append(f"  also failed: rank {f.rank}, pid {f.pid}, {f.reason}{log}")
     return "\n".join(lines)
 
 
@@ -113,23 +122,63 @@ class Run:
     token_file: str
     port: int  # the port the store bound
     signals: Signals
+    log_root: str | None = None  # per-rank log files go below it (see _logs)
+
+
+def make_log_root(config: LaunchConfig, run_id: str) -> str | None:
+    """The folder of this run's log files: ``<--log-dir>/<run id>`` (``-2``, ``-3``... when that
+    exists), a fresh temporary folder when only -r/-t ask for files, or None."""
+    if not wants_files(config.log_dir, config.redirects, config.tee):
+        return None
+    if not config.log_dir:
+        root = tempfile.mkdtemp(prefix=f"ringlet-logs-{run_id}-")
+    else:
+        base = os.path.join(os.path.abspath(config.log_dir), run_id)
+        root, n = base, 1
+        while os.path.exists(root):
+            n += 1
+            root = f"{base}-{n}"
+        os.makedirs(root)
+    say(f"worker logs: {root}/attempt_<n>/<local rank>/{{stdout,stderr}}.log")
+    return root
+
+
+def _sink(console: bool, stream: BinaryIO, rank: int, path: str | None) -> Sink:
+    if path is not None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    return Sink(console=stream if console else None, prefix=prefix(rank, colour_wanted(stream)),
+                file=open(path, "wb") if path is not None else None)
+
+
+def worker_specs(run: Run, restart: int) -> list[WorkerSpec]:
+    """What each local worker of generation ``restart`` runs, with what, and where its output goes."""
+    config, specs = run.config, []
+    for lr in range(config.nproc_per_node):
+        rank = config.global_rank(lr)
+        plan = stream_plan(config.local_rank_base + lr, config.log_dir, config.redirects, config.tee,
+                           config.local_ranks_filter)
+        paths = log_paths(run.log_root, restart, config.local_rank_base + lr) if run.log_root else None
+        out_log = paths[0] if paths and plan.file_out else None
+        err_log = paths[1] if paths and plan.file_err else None
+        hb = os.path.join(run.run_dir, f"heartbeat-gen{restart}-rank{rank}") if config.heartbeat_timeout else None
+        specs.append(WorkerSpec(
+            rank=rank, local_rank=lr, command=worker_command(config, local_rank=lr),
+            env=worker_env(config, lr, restart, run.port, run_id=run.run_id, run_dir=run.run_dir,
+                           token_file=run.token_file, launcher_pid=os.getpid(), heartbeat_file=hb),
+            error_file=error_file(run.run_dir, restart, rank),
+            stdout=_sink(plan.console_out, sys.stdout.buffer, rank, out_log),
+            stderr=_sink(plan.console_err, sys.stderr.buffer, rank, err_log),
+            log_files=tuple(p for p in (out_log, err_log) if p), heartbeat_file=hb,
+        ))
+    return specs
 
 
 def run_generation(run: Run, restart: int,
                    elsewhere: Callable[[], bool] | None = None) -> GenerationResult:
     """Start this node's workers of generation ``restart``, watch them, always stop them."""
     config = run.config
-    envs = [
-        worker_env(config, lr, restart, run.port, run_id=run.run_id, run_dir=run.run_dir,
-                   token_file=run.token_file, launcher_pid=os.getpid())
-        for lr in range(config.nproc_per_node)
-    ]
-    ranks = [config.global_rank(lr) for lr in range(config.nproc_per_node)]
-    generation = Generation(
-        worker_command(config), envs, ranks,
-        [error_file(run.run_dir, restart, r) for r in ranks],
-        stdout=sys.stdout.buffer, stderr=sys.stderr.buffer,
-    )
+    generation = Generation(worker_specs(run, restart), heartbeat_timeout=config.heartbeat_timeout,
+                            python_workers=not config.no_python)
     try:
         generation.start()
         return generation.watch(config.monitor_interval, lambda: run.signals.received, elsewhere)
@@ -195,7 +244,8 @@ def run(config: LaunchConfig) -> int:
             return 1
         try:
             return _supervise(Run(config=config, run_id=run_id, run_dir=rdir,
-                                  token_file=token_file, port=store.port, signals=signals))
+                                  token_file=token_file, port=store.port, signals=signals,
+                                  log_root=make_log_root(config, run_id)))
         finally:
             store.close()
 

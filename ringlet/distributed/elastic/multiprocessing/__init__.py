@@ -1,0 +1,1 @@
+"""``ringlet.distributed.elastic.multiprocessing`` (torch's path); see ``.errors``."""
