@@ -576,6 +576,54 @@ def _hier_p2p(tr: Any, rank: int, n: int, keys: list[str], ctx: Any) -> list[str
 
 
 # -- simulated hosts (script mode) ---------------------------------------------------------------
+def subset_collectives(rank: int, n: int) -> list[str]:
+    """Collectives over part of a 3-rank tcp group through the transport interface ([Note: rank
+    subsets]): ranks [2, 0] in that order (rank 1 takes no part and is refused); roots and blocks
+    index into that list.  Then the whole group is still in step."""
+    from ringlet.transport.base import OpContext
+    from ringlet.transport.reduce import RedOpType, reduction
+
+    tr = dist.group.WORLD.transport
+    R, bad, seq = [2, 0], [], [1000]
+
+    def ctx(op: str, t: torch.Tensor, redop: int = -1, root: int = -1) -> OpContext:
+        seq[0] += 1
+        return OpContext(op, seq[0], rank, n, "subset", 10.0, t.dtype, t.numel(), root, redop)
+    xs = [torch.tensor([1e8, 1.0, -1e8, 3.0]) * (r + 1) + r for r in range(n)]
+    if rank not in R:
+        try:
+            tr.barrier(ctx("barrier", xs[rank]), ranks=R)
+            bad.append("a rank outside the subset was not refused")
+        except ValueError as e:
+            if "not among the ranks taking part" not in str(e):
+                bad.append(f"refusal: {e}")
+    else:
+        m = R.index(rank)
+        for op in (RedOpType.SUM, RedOpType.AVG, RedOpType.MAX):
+            t, want = xs[rank].clone(), torch.empty(4)
+            tr.all_reduce(t, op, None, ctx("all_reduce", t, int(op)), ranks=R)
+            reduction(op, None, torch.float32, len(R)).fold_(want, [xs[r] for r in R])
+            if not torch.equal(t, want):
+                bad.append(f"all_reduce {op.name}: {t.tolist()} != {want.tolist()}")
+        out = torch.empty(8)
+        tr.all_gather(xs[rank], out, ctx("all_gather", xs[rank]), ranks=R)
+        if not torch.equal(out, torch.cat([xs[r] for r in R])):
+            bad.append(f"all_gather {out.tolist()}")
+        b = xs[rank].clone()
+        tr.broadcast(b, 0, ctx("broadcast", b, root=0), ranks=R)
+        if not torch.equal(b, xs[R[0]]):
+            bad.append(f"broadcast from ranks[0] {b.tolist()}")
+        o = torch.empty(2)
+        tr.reduce_scatter(xs[rank].clone(), o, RedOpType.SUM, None, ctx("reduce_scatter", o, 0), ranks=R)
+        if not torch.equal(o, xs[2][2 * m:2 * m + 2] + xs[0][2 * m:2 * m + 2]):
+            bad.append(f"reduce_scatter {o.tolist()}")
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    if t.tolist() != [3.0] * 3:
+        bad.append(f"whole group after the subset: {t.tolist()}")
+    return bad
+
+
 def _store(rank: int, outdir: str, master: str, store_timeout: float) -> Any:
     from ringlet.store import TCPStore
 

@@ -187,6 +187,12 @@ def test_hierarchical_transport_equals_flat_on_made_up_hosts() -> None:
         assert bad == [], bad
 
 
+@pytest.mark.timeout(60)
+def test_collectives_over_a_subset_of_the_group() -> None:
+    for bad in raise_first(run_world(3, _tcp_workers.subset_collectives, backend="tcp", timeout=50)):
+        assert bad == [], bad
+
+
 # ---------------------------------------------------------------- every collective, processes
 
 

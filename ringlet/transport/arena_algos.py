@@ -122,7 +122,8 @@ class ArenaTransport(Transport):
         calls = []
         for r in self._ranks:
             h = self._hdr_i[r][s & 1]
-            calls.append(f"rank {r}: {describe_fingerprint((q[h + 1], q[h + 2], q[h + 3]))} (chunk {q[h + 4]})")
+            fp = describe_fingerprint((q[h + 1], q[h + 2], q[h + 3]))
+            calls.append(f"rank {r}: {fp} (chunk {q[h + 4]})")
         return ctx.error(CollectiveMismatchError,
                          "ranks called different collectives: " + "; ".join(calls), calls=calls)
 
@@ -268,7 +269,8 @@ class ArenaTransport(Transport):
                 flat[off:off + c].copy_(a.slot(root, b, dt)[:c])
         self._done(ctx)
 
-    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext, ranks: Ranks = None) -> None:
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext,
+                   ranks: Ranks = None) -> None:
         self._gather(inp, out, None, ctx, ranks)
 
     def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext,
@@ -305,7 +307,8 @@ class ArenaTransport(Transport):
                         dst.copy_(src)
         self._done(ctx)
 
-    def _small_gather(self, fi: torch.Tensor, fo: torch.Tensor | None, nbytes: int, ctx: OpContext) -> None:
+    def _small_gather(self, fi: torch.Tensor, fo: torch.Tensor | None, nbytes: int,
+                      ctx: OpContext) -> None:
         s = self.step + 1
         b = s & 1
         src = fi.data_ptr()
@@ -367,7 +370,8 @@ class ArenaTransport(Transport):
                 lo = min(k * sub, out_splits[r])
                 c = min(sub, out_splits[r] - lo)
                 if c > 0:
-                    fo[out_off[r] + lo:out_off[r] + lo + c].copy_(a.slot(r, b, torch.uint8)[me * sub:me * sub + c])
+                    src = a.slot(r, b, torch.uint8)[me * sub:me * sub + c]
+                    fo[out_off[r] + lo:out_off[r] + lo + c].copy_(src)
         self._done(ctx)
 
     def _check_splits(self, in_splits: list[int], out_splits: list[int], fp: tuple[int, int, int],
@@ -386,8 +390,8 @@ class ArenaTransport(Transport):
             for j in self._ranks:
                 if sends[j][r] != expect[j]:
                     raise ctx.error(CollectiveMismatchError,
-                                    f"all_to_all split sizes disagree: rank {j} sends {sends[j][r]} bytes "
-                                    f"to rank {r}, which expects {expect[j]}")
+                                    f"all_to_all split sizes disagree: rank {j} sends "
+                                    f"{sends[j][r]} bytes to rank {r}, which expects {expect[j]}")
         return max(max(row) for row in sends)
 
     def barrier(self, ctx: OpContext, ranks: Ranks = None) -> None:

@@ -62,8 +62,9 @@ class Mailboxes:
             got = (q[h + 1], q[h + 2], q[h + 3], q[h + 4])
             if got != (tag, nbytes, k, c):
                 raise ctx.error(CollectiveMismatchError,
-                                f"rank {src} sent a message of {got[1]} bytes with tag {got[0]}, but rank "
-                                f"{self.rank} expected {nbytes} bytes with tag {tag}", peer=src)
+                                f"rank {src} sent a message of {got[1]} bytes with tag {got[0]}, "
+                                f"but rank {self.rank} expected {nbytes} bytes with tag {tag}",
+                                peer=src)
             data[off:off + c].copy_(a.mailbox(src, self.rank, b)[:c])
             q[acked_i] = m
             self.recvd[src] = m

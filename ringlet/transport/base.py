@@ -31,8 +31,8 @@ from ringlet.transport.reduce import RedOpType, Reduction
 
 _E = TypeVar("_E", bound=DistError)
 
-__all__ = ["CODE_DTYPES", "DTYPE_CODES", "OPCODES", "OpContext", "Ranks", "ReduceArg", "Transport", "chunks",
-           "whole_group"]
+__all__ = ["CODE_DTYPES", "DTYPE_CODES", "OPCODES", "OpContext", "Ranks", "ReduceArg", "Transport",
+           "chunks", "whole_group"]
 
 ReduceArg = RedOpType | Reduction    # a reduce op (with a factor for PREMUL_SUM), or a resolved one
 Ranks = Sequence[int] | None         # a subset of the group's ranks ([Note: rank subsets])
@@ -43,7 +43,8 @@ OPCODES: dict[str, int] = {
     for i, name in enumerate(
         [
             "barrier", "all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
-            "reduce_scatter", "all_to_all", "send", "recv", "monitored_barrier", "agree", "debug_check",
+            "reduce_scatter", "all_to_all", "send", "recv", "monitored_barrier", "agree",
+            "debug_check",
         ],
         start=1,
     )
@@ -132,8 +133,8 @@ class OpContext:
     def error(self, cls: type[_E], what: str, **extra: Any) -> _E:
         """Build an error carrying the fields every error message promises (who, what, when: see
         docs/reliability.md#error-messages)."""
-        msg = (f"[rank {self.rank}/{self.world_size}] group {self.group}: {self.describe()}: {what} "
-               f"(elapsed {self.elapsed():.2f} s, timeout {self.timeout:.1f} s)")
+        msg = (f"[rank {self.rank}/{self.world_size}] group {self.group}: {self.describe()}: "
+               f"{what} (elapsed {self.elapsed():.2f} s, timeout {self.timeout:.1f} s)")
         return cls(msg, rank=self.rank, world_size=self.world_size, group=self.group, op=self.op,
                    seq=self.seq, timeout=self.timeout, elapsed=self.elapsed(), **extra)
 
@@ -200,7 +201,8 @@ class Transport(abc.ABC):
         """Copy root's ``buf`` into everyone's ``buf``."""
 
     @abc.abstractmethod
-    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext, ranks: Ranks = None) -> None:
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext,
+                   ranks: Ranks = None) -> None:
         """``out`` (world_size * inp.numel elements) receives every rank's ``inp`` in rank order."""
 
     @abc.abstractmethod
@@ -221,7 +223,8 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def all_to_all(self, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
                    out_splits: list[int], ctx: OpContext, ranks: Ranks = None) -> None:
-        """Byte-level all-to-all: ``inp`` (uint8) holds ``in_splits[j]`` bytes for rank j, in order."""
+        """Byte-level all-to-all: ``inp`` (uint8) holds ``in_splits[j]`` bytes for rank j, in
+        order."""
 
     @abc.abstractmethod
     def barrier(self, ctx: OpContext, ranks: Ranks = None) -> None:
@@ -244,7 +247,8 @@ class Transport(abc.ABC):
         """A receive from any rank that polls :meth:`pending_source` starts (+1) or ends (-1)."""
 
     def check_any_source(self, ctx: OpContext) -> None:
-        """Raise if a receive from any rank cannot succeed here (aborted, destroyed, nobody left)."""
+        """Raise if a receive from any rank cannot succeed here (aborted, destroyed, nobody
+        left)."""
 
     # -- hints, statistics, lifecycle -----------------------------------------------------------
     def share_cpus(self, busy_ranks: int) -> None:

@@ -143,14 +143,14 @@ class HierarchicalTransport(Transport):
 
     def __init__(self, rank: int, plan: HostPlan, local: Transport, net: Transport) -> None:
         if not net.subsets:
-            raise ValueError(f"hierarchical transport: expected a network transport that runs collectives "
-                             f"over rank subsets, got {type(net).__name__}")
+            raise ValueError(f"hierarchical transport: expected a network transport that runs "
+                             f"collectives over rank subsets, got {type(net).__name__}")
         self.rank = rank
         self.world_size = net.world_size
         self.plan = plan
         self.local = local        # this host's ranks, numbered locally
         self.net = net            # every rank of the group
-        self._columns: concurrent.futures.ThreadPoolExecutor | None = None   # the columns' tcp steps
+        self._columns: concurrent.futures.ThreadPoolExecutor | None = None  # the columns' steps
         self.pipelined = True     # segments overlap network and shared memory (see SEGMENT_BYTES)
 
     @classmethod
@@ -162,8 +162,8 @@ class HierarchicalTransport(Transport):
         local = ShmTransport.create(PrefixStore(f"host{plan.host}", store), plan.local, len(mates),
                                     timeout, f"{group}/host{plan.host}")
         try:
-            net = TcpTransport.create(PrefixStore("net", store), rank, len(host_keys), timeout, group,
-                                      host_keys=host_keys)
+            net = TcpTransport.create(PrefixStore("net", store), rank, len(host_keys), timeout,
+                                      group, host_keys=host_keys)
         except BaseException:
             local.close()
             raise
@@ -174,7 +174,8 @@ class HierarchicalTransport(Transport):
         return tr
 
     def __repr__(self) -> str:
-        return f"HierarchicalTransport(rank {self.rank}/{self.world_size}, hosts {list(self.plan.hosts)})"
+        return (f"HierarchicalTransport(rank {self.rank}/{self.world_size}, "
+                f"hosts {list(self.plan.hosts)})")
 
     def _shm(self, ctx: OpContext, call: Callable[[OpContext], object]) -> None:
         """Run one shared-memory step (see LOCAL_GRACE_S); its errors say how it numbers ranks."""
@@ -183,7 +184,8 @@ class HierarchicalTransport(Transport):
         try:
             call(lctx)
         except DistBackendError as e:
-            mates = ", ".join(f"{i} = rank {r}" for i, r in enumerate(self.plan.hosts[self.plan.host]))
+            here = self.plan.hosts[self.plan.host]
+            mates = ", ".join(f"{i} = rank {r}" for i, r in enumerate(here))
             raise type(e)(f"{e} [shared memory on this host numbers its ranks locally: {mates}]",
                           **e.context) from None
 
@@ -202,7 +204,8 @@ class HierarchicalTransport(Transport):
                    ranks: Ranks = None) -> None:
         self._guarded(lambda: self._all_reduce(buf, op, factor, ctx), ranks)
 
-    def _all_reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, ctx: OpContext) -> None:
+    def _all_reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None,
+                    ctx: OpContext) -> None:
         flat, p = buf.view(-1), self.plan
         small = flat.numel() * flat.element_size() <= FLAT_BYTES or flat.numel() < len(p.hosts[0])
         if small or not p.uniform:
@@ -224,7 +227,8 @@ class HierarchicalTransport(Transport):
         seg = max(L, SEGMENT_BYTES // flat.element_size() // L * L)
         segments = [(o, min(seg, padded.numel() - o)) for o in range(0, padded.numel(), seg)]
         if self._columns is None:
-            self._columns = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ringlet-columns")
+            self._columns = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="ringlet-columns")
         pending: list[tuple[concurrent.futures.Future[None], torch.Tensor, int, int]] = []
         try:
             for o, c in segments:      # segment k's shm steps overlap segment k-1's network step
@@ -296,7 +300,8 @@ class HierarchicalTransport(Transport):
         self._shm(ctx, _bind(self.local.reduce_scatter, grid, mine, red.partial(), None))
         self.net.reduce_scatter(mine, fo, red.completing(), None, ctx, ranks=p.column(p.local))
 
-    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext, ranks: Ranks = None) -> None:
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext,
+                   ranks: Ranks = None) -> None:
         self._guarded(lambda: self._all_gather(inp, out, ctx), ranks)
 
     def _all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext) -> None:
@@ -396,8 +401,9 @@ class HierarchicalTransport(Transport):
                 remaining = ctx.deadline - time.monotonic()
                 if remaining <= 0:
                     others = [r for r in range(self.world_size) if r != self.rank]
-                    raise ctx.error(CollectiveTimeoutError, f"timed out waiting for a message from any of "
-                                    f"ranks {others} (shared memory and tcp)", missing=others)
+                    raise ctx.error(CollectiveTimeoutError, f"timed out waiting for a message from "
+                                    f"any of ranks {others} (shared memory and tcp)",
+                                    missing=others)
                 time.sleep(min(delay, remaining))
                 delay = min(delay * 2, 1e-3)
         finally:

@@ -57,7 +57,8 @@ _BITWISE = (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR)
 def check_op_dtype(op: RedOpType, dtype: torch.dtype, opname: str) -> None:
     """Raise ``TypeError`` for an operator that makes no sense on ``dtype``."""
     if op in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
-        raise TypeError(f"{opname}: ReduceOp.{op.name} expects an integer or bool tensor, got {dtype}")
+        raise TypeError(f"{opname}: ReduceOp.{op.name} expects an integer or bool tensor, "
+                        f"got {dtype}")
     if op in (RedOpType.MIN, RedOpType.MAX) and dtype.is_complex:
         raise TypeError(f"{opname}: ReduceOp.{op.name} is not defined for complex dtype {dtype}")
     if op == RedOpType.UNUSED:
@@ -67,8 +68,8 @@ def check_op_dtype(op: RedOpType, dtype: torch.dtype, opname: str) -> None:
 # The one operator table: each fold operator's torch kernel (bool: logical), its numpy ufunc.
 _TORCH: dict[RedOpType, Callable[..., Any]] = {
     RedOpType.SUM: torch.add, RedOpType.PRODUCT: torch.mul, RedOpType.MIN: torch.minimum,
-    RedOpType.MAX: torch.maximum, RedOpType.BAND: torch.bitwise_and, RedOpType.BOR: torch.bitwise_or,
-    RedOpType.BXOR: torch.bitwise_xor,
+    RedOpType.MAX: torch.maximum, RedOpType.BAND: torch.bitwise_and,
+    RedOpType.BOR: torch.bitwise_or, RedOpType.BXOR: torch.bitwise_xor,
 }
 _TORCH_BOOL = {RedOpType.SUM: torch.logical_or, RedOpType.PRODUCT: torch.logical_and}
 _NUMPY: dict[RedOpType, np.ufunc] = {
@@ -77,8 +78,9 @@ _NUMPY: dict[RedOpType, np.ufunc] = {
     RedOpType.BXOR: np.bitwise_xor,
 }
 NP_DTYPES: dict[torch.dtype, type] = {   # dtypes the numpy kernel serves (numpy has no bfloat16)
-    torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64, torch.int32: np.int32,
-    torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_,
+    torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64,
+    torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8,
+    torch.bool: np.bool_,
 }
 
 try:   # numpy's own errstate costs ~3 us a call; setting its context variable directly ~0.2 us
@@ -198,7 +200,7 @@ class Reduction:
         order of a group that spans hosts ([Note: tcp reduction order])."""
         if groups is not None:
             partials = []
-            for g in groups:       # read every part before out (which may be one of them) is written
+            for g in groups:       # every part is read before out (maybe one of them) is written
                 acc = torch.empty_like(out)
                 self.combine_(acc, [parts[i] for i in g])
                 partials.append(acc)
@@ -239,7 +241,8 @@ def _resolve(op: RedOpType, factor: float | None, dtype: torch.dtype, n: int) ->
     return Reduction(RedOpType(op), fold, dtype, pre, post)
 
 
-def reduction(op: RedOpType | Reduction, factor: float | None, dtype: torch.dtype, n: int) -> Reduction:
+def reduction(op: RedOpType | Reduction, factor: float | None, dtype: torch.dtype,
+              n: int) -> Reduction:
     """The :class:`Reduction` of ``op`` (with PREMUL_SUM's ``factor``) on ``dtype`` over ``n``
     contributions; a :class:`Reduction` given as ``op`` (a stage of a composed collective) is
     returned as it is.

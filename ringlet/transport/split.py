@@ -1,11 +1,12 @@
 """Per-device transports: CPU tensors on one of ringlet's transports, CUDA tensors on torch's NCCL.
 
-``init_process_group(backend="cpu:gloo,cuda:nccl")`` (torch's spelling; also ``"cpu:shm,cuda:nccl"``,
-``"cpu:tcp,cuda:torch:nccl"``) gives a group whose CPU tensors go through ringlet's own transport
-and whose CUDA tensors go through torch's NCCL engine (the ``torch_engine`` adapter).  Each call
-goes to the transport of its tensors' device.  The CUDA side is built at the first call with a
-CUDA tensor, so that the same script runs unchanged on a machine without a GPU (where no CUDA
-tensor can exist); its NCCL communicators are then created by NCCL itself, lazily, as usual.
+``init_process_group(backend="cpu:gloo,cuda:nccl")`` (torch's spelling; also
+``"cpu:shm,cuda:nccl"``, ``"cpu:tcp,cuda:torch:nccl"``) gives a group whose CPU tensors go through
+ringlet's own transport and whose CUDA tensors go through torch's NCCL engine (the
+``torch_engine`` adapter).  Each call goes to the transport of its tensors' device.  The CUDA side
+is built at the first call with a CUDA tensor, so that the same script runs unchanged on a machine
+without a GPU (where no CUDA tensor can exist); its NCCL communicators are then created by NCCL
+itself, lazily, as usual.
 
 Example::
 
@@ -33,7 +34,8 @@ def _subset(ranks: Ranks) -> dict[str, Ranks]:
 class DeviceSplitTransport(Transport):
     """One transport per device type; ``lazy`` ones are built by their factory at first use."""
 
-    def __init__(self, main: Transport, lazy: dict[str, Callable[[], Transport]], name: str) -> None:
+    def __init__(self, main: Transport, lazy: dict[str, Callable[[], Transport]],
+                 name: str) -> None:
         self.main = main
         self._factories = dict(lazy)
         self._built: dict[str, Transport] = {d: main for d in main.devices}
@@ -56,7 +58,8 @@ class DeviceSplitTransport(Transport):
             if tr is None:
                 factory = self._factories.get(kind)
                 if factory is None:
-                    raise ValueError(f"this group serves {list(self.devices)} tensors, got one on {kind}")
+                    raise ValueError(f"this group serves {list(self.devices)} tensors, "
+                                     f"got one on {kind}")
                 tr = factory()
                 if self._aborted is not None:
                     tr.abort(self._aborted)
@@ -76,7 +79,8 @@ class DeviceSplitTransport(Transport):
     def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext, ranks: Ranks = None) -> None:
         self._for(buf).broadcast(buf, root, ctx, **_subset(ranks))
 
-    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext, ranks: Ranks = None) -> None:
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext,
+                   ranks: Ranks = None) -> None:
         self._for(inp).all_gather(inp, out, ctx, **_subset(ranks))
 
     def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext,

@@ -1,4 +1,4 @@
-"""Torch-engine adapter: torch's own gloo (CPU) and NCCL (CUDA) process groups as a ringlet transport.
+"""Torch-engine adapter: torch's own gloo (CPU) and NCCL (CUDA) process groups as a transport.
 
 The only module of ringlet that imports ``torch.distributed``.  It lets ringlet's API, argument
 checks, sequence numbers, fingerprints (``RINGLET_DEBUG=DETAIL``), hang reports and strategies run
@@ -38,7 +38,7 @@ from ringlet.transport.tcp import choose_address
 
 __all__ = ["TorchEngineTransport", "engines_for"]
 
-_OPS: dict[RedOpType, Any] = {   # fold operator -> torch's ReduceOp (typed loosely by torch's stubs)
+_OPS: dict[RedOpType, Any] = {   # fold operator -> torch's ReduceOp (loosely typed in its stubs)
     RedOpType.SUM: tdist.ReduceOp.SUM, RedOpType.PRODUCT: tdist.ReduceOp.PRODUCT,
     RedOpType.MIN: tdist.ReduceOp.MIN, RedOpType.MAX: tdist.ReduceOp.MAX,
     RedOpType.BAND: tdist.ReduceOp.BAND, RedOpType.BOR: tdist.ReduceOp.BOR,
@@ -47,7 +47,7 @@ _OPS: dict[RedOpType, Any] = {   # fold operator -> torch's ReduceOp (typed loos
 
 
 def engines_for(spec: str) -> dict[str, str]:
-    """``"torch:gloo,nccl"`` -> ``{"cpu": "gloo", "cuda": "nccl"}``; ``"torch:nccl"`` -> cuda only."""
+    """``"torch:gloo,nccl"`` -> ``{"cpu": "gloo", "cuda": "nccl"}``; ``"torch:nccl"``: cuda only."""
     names = spec.removeprefix("torch:").split(",")
     out = {}
     for name in names:
@@ -106,7 +106,7 @@ class TorchEngineTransport(Transport):
         self.pgs = pgs            # device type -> torch backend object
         self.devices = tuple(pgs)
         # The engines call back into these Python stores later (NCCL connects lazily, at the first
-        # collective): torch's trampoline needs the Python objects alive, so the transport keeps them.
+        # collective): torch's trampoline needs the Python objects alive: the transport keeps them.
         self._stores = stores
         self.name = spec
         self._engine = spec.removeprefix("torch:").replace(",", "+")
@@ -130,13 +130,14 @@ class TorchEngineTransport(Transport):
             if engine == "gloo":
                 opts = tdist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
                 opts._timeout = td
-                opts._devices = [tdist.ProcessGroupGloo.create_device(hostname=choose_address(store))]
+                device_opts = tdist.ProcessGroupGloo.create_device(hostname=choose_address(store))
+                opts._devices = [device_opts]
                 pgs[device] = tdist.ProcessGroupGloo(tstore, rank, world_size, opts)
             else:
                 if not torch.cuda.is_available():
-                    raise ValueError(f"group {group}: backend {spec!r} needs CUDA for torch's NCCL engine, but "
-                                     "torch.cuda.is_available() is False on this host; use 'torch:gloo' or "
-                                     "ringlet's own 'auto'")
+                    raise ValueError(f"group {group}: backend {spec!r} needs CUDA for torch's NCCL "
+                                     "engine, but torch.cuda.is_available() is False on this host; "
+                                     "use 'torch:gloo' or ringlet's own 'auto'")
                 nopts = tdist.ProcessGroupNCCL.Options()
                 nopts._timeout = td
                 pgs[device] = tdist.ProcessGroupNCCL(tstore, rank, world_size, nopts)
@@ -149,8 +150,8 @@ class TorchEngineTransport(Transport):
     def _pg(self, t: torch.Tensor, ctx: OpContext) -> Any:
         pg = self.pgs.get(t.device.type)
         if pg is None:
-            raise ValueError(f"{ctx.op}: this group's engine ({self._engine}) serves {sorted(self.pgs)} tensors, "
-                             f"got a tensor on {t.device}")
+            raise ValueError(f"{ctx.op}: this group's engine ({self._engine}) serves "
+                             f"{sorted(self.pgs)} tensors, got a tensor on {t.device}")
         return pg
 
     def _wait(self, work: Any, ctx: OpContext) -> None:
@@ -163,7 +164,8 @@ class TorchEngineTransport(Transport):
         text = str(e)
         low = text.lower()
         if "timed out" in low or "timeout" in low:
-            return ctx.error(CollectiveTimeoutError, f"torch's {self._engine} engine timed out: {text}")
+            return ctx.error(CollectiveTimeoutError,
+                             f"torch's {self._engine} engine timed out: {text}")
         if "unsupported" in low or "not supported" in low or "invalid" in low:
             return TypeError(f"{ctx.op}: torch's {self._engine} engine refused this call: {text}")
         return ctx.error(DistBackendError, f"torch's {self._engine} engine failed: {text}")
@@ -213,7 +215,8 @@ class TorchEngineTransport(Transport):
         opts.rootRank = root
         self._run(ctx, lambda: pg.broadcast([buf], opts))
 
-    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext, ranks: Ranks = None) -> None:
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext,
+                   ranks: Ranks = None) -> None:
         pg = self._pg_all(inp, ctx, ranks)
         self._run(ctx, lambda: pg._allgather_base(out, inp))
 

@@ -31,11 +31,9 @@ host working at once (its results are bit-identical to this flat path; see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from ringlet.transport.base import OpContext, chunks
+from ringlet.transport.base import OpContext, Ranks, chunks
 from ringlet.transport.reduce import RedOpType, Reduction
 from ringlet.transport.tcp import direct, ring
 from ringlet.transport.tcp.pump import Pump
@@ -75,7 +73,8 @@ class Algorithms:
     the fold order across hosts.
     """
 
-    def __init__(self, pump: Pump, rank: int, world_size: int, host_keys: list[str] | None = None) -> None:
+    def __init__(self, pump: Pump, rank: int, world_size: int,
+                 host_keys: list[str] | None = None) -> None:
         self.pump = pump
         self.rank = rank
         self.all = list(range(world_size))
@@ -93,7 +92,7 @@ class Algorithms:
             return None
         return list(groups.values())
 
-    def _start(self, ctx: OpContext, ranks: Sequence[int] | None) -> tuple[list[int], int]:
+    def _start(self, ctx: OpContext, ranks: Ranks) -> tuple[list[int], int]:
         """The prologue of every collective: the ranks taking part and this rank's index; with
         others taking part, the pump has begun ``ctx``."""
         R = list(ranks) if ranks is not None else self.all
@@ -104,7 +103,7 @@ class Algorithms:
         return R, R.index(self.rank)
 
     # -- reductions ----------------------------------------------------------------------------
-    def all_reduce(self, flat: torch.Tensor, red: Reduction, ctx: OpContext, ranks: Sequence[int] | None) -> None:
+    def all_reduce(self, flat: torch.Tensor, red: Reduction, ctx: OpContext, ranks: Ranks) -> None:
         R, m = self._start(ctx, ranks)
         n, pump = len(R), self.pump
         src = red.contribution(flat)
@@ -131,7 +130,7 @@ class Algorithms:
         pump.run()
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, red: Reduction, ctx: OpContext,
-                       ranks: Sequence[int] | None) -> None:
+                       ranks: Ranks) -> None:
         """Block ``i`` of every rank's ``inp`` is reduced into rank ``R[i]``'s ``out``."""
         R, m = self._start(ctx, ranks)
         if len(R) == 1:
@@ -139,11 +138,12 @@ class Algorithms:
             red.finish_(out)
             return
         N = out.numel()
-        self._reduce_scatter(red.contribution(inp), out, [(i * N, N) for i in range(len(R))], red, R, m)
+        blocks = [(i * N, N) for i in range(len(R))]
+        self._reduce_scatter(red.contribution(inp), out, blocks, red, R, m)
         self.pump.run()
 
     def reduce(self, flat: torch.Tensor, red: Reduction, root: int, ctx: OpContext,
-               ranks: Sequence[int] | None) -> None:
+               ranks: Ranks) -> None:
         """Direct reduce into ``R[root]``'s ``flat``; the others' ``flat`` is left unchanged."""
         R, m = self._start(ctx, ranks)
         src = red.contribution(flat)
@@ -151,13 +151,15 @@ class Algorithms:
             red.fold_(flat, [src])
             return
         if m == root:
-            direct.fold_from(self.pump, flat, src, R, m, red, self.host_groups(R), self.pump.cap(flat.dtype))
+            cap = self.pump.cap(flat.dtype)
+            direct.fold_from(self.pump, flat, src, R, m, red, self.host_groups(R), cap)
         else:
             direct.send_pieces(self.pump, src, R[root])
         self.pump.run()
 
     def _reduce_scatter(self, src: torch.Tensor, out: torch.Tensor, blocks: list[tuple[int, int]],
-                        red: Reduction, R: list[int], m: int, final: ring.Final | None = None) -> None:
+                        red: Reduction, R: list[int], m: int,
+                        final: ring.Final | None = None) -> None:
         """Queue (not run) a reduce-scatter; ``final(offset, count)`` is called as each chunk of
         ``out`` holds its final value, in order."""
         if order_free(red.fold, src.dtype, len(R)):
@@ -169,7 +171,8 @@ class Algorithms:
                          self.pump.cap(src.dtype), final)
 
     # -- data movement ---------------------------------------------------------------------------
-    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext, ranks: Sequence[int] | None) -> None:
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext,
+                   ranks: Ranks) -> None:
         """``out`` (one block of ``inp.numel()`` per rank taking part) receives every ``inp``."""
         R, m = self._start(ctx, ranks)
         n, N = len(R), inp.numel()
@@ -182,7 +185,7 @@ class Algorithms:
             direct.exchange(self.pump, inp, out, R, m)
         self.pump.run()
 
-    def broadcast(self, flat: torch.Tensor, root: int, ctx: OpContext, ranks: Sequence[int] | None) -> None:
+    def broadcast(self, flat: torch.Tensor, root: int, ctx: OpContext, ranks: Ranks) -> None:
         R, m = self._start(ctx, ranks)
         n = len(R)
         if n == 1:
@@ -194,7 +197,7 @@ class Algorithms:
         self.pump.run()
 
     def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext,
-               ranks: Sequence[int] | None) -> None:
+               ranks: Ranks) -> None:
         R, m = self._start(ctx, ranks)
         N = inp.numel()
         if out is not None:
@@ -204,7 +207,7 @@ class Algorithms:
             self.pump.run()
 
     def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext,
-                ranks: Sequence[int] | None) -> None:
+                ranks: Ranks) -> None:
         R, m = self._start(ctx, ranks)
         N = out.numel()
         if m == root:
@@ -215,14 +218,14 @@ class Algorithms:
             direct.rooted(self.pump, root, R, m, out, inp, inbound=False)
             self.pump.run()
 
-    def all_to_all(self, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor, out_splits: list[int],
-                   ctx: OpContext, ranks: Sequence[int] | None) -> None:
+    def all_to_all(self, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
+                   out_splits: list[int], ctx: OpContext, ranks: Ranks) -> None:
         R, m = self._start(ctx, ranks)
         direct.all_to_all(self.pump, inp, in_splits, out, out_splits, R, m, ctx)
         if len(R) > 1:
             self.pump.run()
 
-    def barrier(self, ctx: OpContext, ranks: Sequence[int] | None) -> None:
+    def barrier(self, ctx: OpContext, ranks: Ranks) -> None:
         R, m = self._start(ctx, ranks)
         if len(R) > 1:
             direct.barrier(self.pump, R, m)

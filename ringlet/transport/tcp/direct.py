@@ -29,8 +29,8 @@ __all__ = ["all_to_all", "barrier", "exchange", "fold_from", "rooted", "send_blo
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
-def fold_from(pump: Pump, out: torch.Tensor, own: torch.Tensor, R: list[int], m: int, red: Reduction,
-              groups: Sequence[Sequence[int]] | None, cap: int,
+def fold_from(pump: Pump, out: torch.Tensor, own: torch.Tensor, R: list[int], m: int,
+              red: Reduction, groups: Sequence[Sequence[int]] | None, cap: int,
               final: Callable[[int, int], None] | None = None) -> None:
     """Queue receives of every peer's contribution to ``out`` in pieces of ``cap`` elements and
     fold each piece -- ``own`` as this rank's contribution -- once all of it arrived (``groups``:
@@ -55,20 +55,22 @@ def fold_from(pump: Pump, out: torch.Tensor, own: torch.Tensor, R: list[int], m:
 
 
 def send_pieces(pump: Pump, t: torch.Tensor, peer: int) -> None:
-    """Send ``t`` to ``peer`` in pieces of ``pump.cap`` elements (what :func:`fold_from` expects)."""
+    """Send ``t`` to ``peer`` in pieces of ``pump.cap`` elements (as :func:`fold_from` expects)."""
     cap = pump.cap(t.dtype)
     for co, cc in chunks(t.numel(), cap):
         pump.send(peer, t[co:co + cc])
 
 
-def send_blocks(pump: Pump, src: torch.Tensor, blocks: list[tuple[int, int]], R: list[int], m: int) -> None:
+def send_blocks(pump: Pump, src: torch.Tensor, blocks: list[tuple[int, int]], R: list[int],
+                m: int) -> None:
     """Send block ``i`` of ``src`` to ``R[i]`` for every peer (:func:`send_pieces`)."""
     for i, (o, c) in enumerate(blocks):
         if i != m:
             send_pieces(pump, src[o:o + c], R[i])
 
 
-def exchange(pump: Pump, mine: torch.Tensor, out: torch.Tensor | None, R: list[int], m: int) -> None:
+def exchange(pump: Pump, mine: torch.Tensor, out: torch.Tensor | None, R: list[int],
+             m: int) -> None:
     """Send ``mine`` to every peer; with ``out`` (blocks of ``mine.numel()``), receive peer
     ``i``'s into block ``i``."""
     N = mine.numel()
@@ -104,8 +106,8 @@ def all_to_all(pump: Pump, inp: torch.Tensor, in_splits: list[int], out: torch.T
     in_off = [sum(in_splits[:j]) for j in range(n)]
     out_off = [sum(out_splits[:j]) for j in range(n)]
     if in_splits[m] != out_splits[m]:
-        raise ctx.error(CollectiveMismatchError, f"all_to_all split sizes disagree: rank {R[m]} sends "
-                        f"{in_splits[m]} bytes to itself but expects {out_splits[m]}")
+        raise ctx.error(CollectiveMismatchError, f"all_to_all split sizes disagree: rank {R[m]} "
+                        f"sends {in_splits[m]} bytes to itself but expects {out_splits[m]}")
     out[out_off[m]:out_off[m] + out_splits[m]].copy_(inp[in_off[m]:in_off[m] + in_splits[m]])
     for j in range(n):
         if j != m:

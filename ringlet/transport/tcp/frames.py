@@ -35,7 +35,8 @@ class Want:
 
     __slots__ = ("done", "early", "expect", "finished", "header", "peer", "view")
 
-    def __init__(self, peer: int, expect: bytes, view: memoryview, done: Callable[[], None] | None) -> None:
+    def __init__(self, peer: int, expect: bytes, view: memoryview,
+                 done: Callable[[], None] | None) -> None:
         self.peer = peer
         self.expect = expect
         self.view = view
@@ -145,7 +146,8 @@ class Router(Protocol):
         """The stream ended."""
 
 
-def read_stream(r: int, st: Inbound, sock: socket.socket, router: Router, cv: threading.Condition) -> bool:
+def read_stream(r: int, st: Inbound, sock: socket.socket, router: Router,
+                cv: threading.Condition) -> bool:
     """Read what ``sock`` (peer ``r``) has, frame by frame, until it would block or the frame at
     the head is held; True if anything came.  Non-blocking; ``cv`` is the router's lock."""
     progressed = False

@@ -141,7 +141,8 @@ class Inbox:
             self._park.notify()
 
     def withdraw(self, w: Want) -> None:
-        """Under ``cv``: ``w``'s waiter gives up; a payload half read into its view goes to scratch."""
+        """Under ``cv``: ``w``'s waiter gives up; a payload half read into its view goes to
+        scratch."""
         if self.p2p_want.get(w.peer) is w:
             self.p2p_want[w.peer] = None
         if w.early is not None and w.early.waiter is w:
@@ -175,7 +176,8 @@ class Inbox:
             st.watched = False
 
     def out_of_step(self, r: int) -> None:
-        """The stream from ``r`` cannot be trusted any more (a receive got a header it did not expect)."""
+        """The stream from ``r`` cannot be trusted any more (a receive got a header it did not
+        expect)."""
         with self.cv:
             self.desync.add(r)
             self.cv.notify_all()

@@ -146,7 +146,7 @@ class Outbox:
         frame = header(ABORT, 0, 0, 0, 0, len(reason)) + reason
         for r, p in self.peers.items():
             lock = self.tx[r]
-            held = lock.acquire(timeout=0.2)    # a point-to-point frame in flight stops within 50 ms
+            held = lock.acquire(timeout=0.2)    # a point-to-point frame stops within 50 ms
             try:
                 if not held or p.tx_broken or p.sock.send(frame) != len(frame):
                     p.tx_broken = True

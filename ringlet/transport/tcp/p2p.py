@@ -61,8 +61,8 @@ class Messages:
 
         def stopped() -> BaseException:
             return self.trouble(p, ctx) or ctx.error(
-                CollectiveTimeoutError, f"timed out waiting for rank {dst} ({p.where()}) to take the "
-                "message over tcp", missing=[dst], peer=dst, host=p.host)
+                CollectiveTimeoutError, f"timed out waiting for rank {dst} ({p.where()}) to take "
+                "the message over tcp", missing=[dst], peer=dst, host=p.host)
         self.outbox.send_frame(dst, frame, ctx.deadline, lambda: self.trouble(p, ctx) is not None,
                                stopped, lambda e: peer_lost(ctx, p, e, "point-to-point"))
 
@@ -70,7 +70,8 @@ class Messages:
         if src is None:
             src = self._wait_any_source(ctx)
         elif not self._rx_locks[src].acquire(timeout=max(ctx.deadline - time.monotonic(), 0.0)):
-            raise ctx.error(CollectiveTimeoutError, f"timed out waiting for another receive from rank {src}")
+            raise ctx.error(CollectiveTimeoutError,
+                            f"timed out waiting for another receive from rank {src}")
         inbox = self.inbox
         try:
             p = self.peers[src]
@@ -83,19 +84,22 @@ class Messages:
                     problem = self.trouble(p, ctx)
                     remaining = ctx.deadline - time.monotonic()
                     if problem is None and remaining <= 0:
-                        problem = ctx.error(CollectiveTimeoutError, f"timed out waiting for rank {src} "
-                                            f"({p.where()}) to send its message over tcp", missing=[src],
-                                            peer=src, host=p.host)
+                        problem = ctx.error(CollectiveTimeoutError,
+                                            f"timed out waiting for rank {src} ({p.where()}) to "
+                                            "send its message over tcp", missing=[src], peer=src,
+                                            host=p.host)
                     if problem is not None:
                         inbox.withdraw(w)
                         raise problem
                     inbox.cv.wait(min(remaining, _RECHECK_S))
             if not w.ok:
-                _m, _kind, gtag, gbytes, _n, _idx, _nb = parse_header(w.header or bytes(HEADER.size))
+                got = parse_header(w.header or bytes(HEADER.size))
+                gtag, gbytes = got[2], got[3]
                 inbox.out_of_step(src)
                 raise ctx.error(CollectiveMismatchError,
-                                f"rank {src} sent a message of {gbytes} bytes with tag {gtag}, but rank "
-                                f"{self.rank} expected {len(data)} bytes with tag {tag}", peer=src)
+                                f"rank {src} sent a message of {gbytes} bytes with tag {gtag}, but "
+                                f"rank {self.rank} expected {len(data)} bytes with tag {tag}",
+                                peer=src)
             w.settle()
             self._rx[src] = idx + 1
             return src
@@ -123,13 +127,15 @@ class Messages:
         live = []
         for p in self.peers.values():
             problem = self.trouble(p, ctx)
-            if problem is not None and (isinstance(problem, GroupAbortedError) or p.rank in self.inbox.aborted_by):
+            ended = isinstance(problem, GroupAbortedError) or p.rank in self.inbox.aborted_by
+            if problem is not None and ended:
                 raise problem
             if problem is None:
                 live.append(p.rank)
         if not live:
-            raise ctx.error(DistBackendError, f"no rank is left to send a message: every peer of rank "
-                            f"{self.rank} has left, died or is out of step", missing=sorted(self.peers))
+            raise ctx.error(DistBackendError, f"no rank is left to send a message: every peer of "
+                            f"rank {self.rank} has left, died or is out of step",
+                            missing=sorted(self.peers))
 
     def _wait_any_source(self, ctx: OpContext) -> int:
         """The lowest rank with a message waiting; returns with that rank's receive lock held."""
@@ -144,8 +150,9 @@ class Messages:
                         return r
                     remaining = ctx.deadline - time.monotonic()
                     if remaining <= 0:
-                        raise ctx.error(CollectiveTimeoutError, f"timed out waiting for a message from any of "
-                                        f"ranks {sorted(self.peers)}", missing=sorted(self.peers))
+                        raise ctx.error(CollectiveTimeoutError, f"timed out waiting for a message "
+                                        f"from any of ranks {sorted(self.peers)}",
+                                        missing=sorted(self.peers))
                     inbox.cv.wait(min(remaining, _RECHECK_S))
             finally:
                 inbox.any_waiting(-1)

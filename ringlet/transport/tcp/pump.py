@@ -62,13 +62,15 @@ class Pump:
     ``chunk`` (bytes) is the pipelining unit of the algorithms (:meth:`cap`).
     """
 
-    def __init__(self, me: int, peers: dict[int, Peer], inbox: Inbox, outbox: Outbox, chunk: int) -> None:
+    def __init__(self, me: int, peers: dict[int, Peer], inbox: Inbox, outbox: Outbox,
+                 chunk: int) -> None:
         self.me = me
         self.peers = peers
         self.inbox = inbox
         self.outbox = outbox
         self.chunk = chunk
-        self.sendq: dict[int, collections.deque[list[memoryview]]] = {r: collections.deque() for r in peers}
+        self.sendq: dict[int, collections.deque[list[memoryview]]] = {
+            r: collections.deque() for r in peers}
         self._open: dict[int, int] = dict.fromkeys(peers, 0)       # receives posted, not yet run
         self._wants: list[Want] = []
         self._tx: dict[int, int] = {}
@@ -76,7 +78,7 @@ class Pump:
         self._rx_done: dict[int, int] = {}
         self._held: set[int] = set()             # peers whose send lock this operation holds
         self._mid: set[int] = set()              # peers whose first queued frame is partly sent
-        self._stirred: list[int] = []            # other peers whose stream had input at the last wait
+        self._stirred: list[int] = []            # other peers whose stream had input lately
         self.ctx: OpContext | None = None
         self._fp = (0, 0, 0)
         self._keep: list[object] = []            # tensors whose memory queued frames use
@@ -130,7 +132,8 @@ class Pump:
         i = self._rx.get(peer, 0)
         self._rx[peer] = i + 1
         seq, word1, numel = self._fp
-        w = Want(peer, HEADER.pack(FRAME_MAGIC, DATA, 0, seq, word1, numel, i, len(view)), view, done)
+        expect = HEADER.pack(FRAME_MAGIC, DATA, 0, seq, word1, numel, i, len(view))
+        w = Want(peer, expect, view, done)
         self._open[peer] += 1
         self._wants.append(w)
         self.inbox.want(w)
@@ -144,7 +147,7 @@ class Pump:
         """
         if self.outbox.begin() is not None:
             self._fail()
-            raise local_trouble(self._ctx(), self.outbox) or AssertionError("aborted, yet no trouble")
+            raise local_trouble(self._ctx(), self.outbox) or AssertionError("aborted: no reason")
         inbox = self.inbox
         inbox.take_over()
         try:
@@ -193,8 +196,9 @@ class Pump:
     def _push(self, r: int, q: collections.deque[list[memoryview]]) -> bool:
         p = self.peers[r]
         if p.tx_broken:
-            raise self._ctx().error(DistBackendError, f"the stream to rank {r} ({p.where()}) was cut "
-                                    "mid-frame by an earlier error; the group cannot be used", peer=r)
+            raise self._ctx().error(DistBackendError, f"the stream to rank {r} ({p.where()}) was "
+                                    "cut mid-frame by an earlier error; the group cannot be used",
+                                    peer=r)
         if r not in self._held:
             if not self.outbox.hold(r):    # a point-to-point frame is going out: woken at its end
                 return False
@@ -303,17 +307,18 @@ class Pump:
         magic, kind, seq, word1, numel, idx, nbytes = parse_header(got)
         want = parse_header(w.expect)
         if magic != FRAME_MAGIC:
-            return ctx.error(CollectiveMismatchError, f"rank {r} ({p.where()}) sent bytes that are not a "
-                             "ringlet frame (the connection is out of step)", peer=r)
+            return ctx.error(CollectiveMismatchError, f"rank {r} ({p.where()}) sent bytes that are "
+                             "not a ringlet frame (the connection is out of step)", peer=r)
         mine = f"rank {self.me}: {ctx.describe()}"
         theirs = f"rank {r}: {describe_fingerprint((seq, word1, numel))}"
         if (seq, word1, numel) != want[2:5] or kind != DATA:
-            return ctx.error(CollectiveMismatchError, f"ranks called different collectives: {mine}; {theirs}",
+            return ctx.error(CollectiveMismatchError,
+                             f"ranks called different collectives: {mine}; {theirs}",
                              calls=[mine, theirs], peer=r)
         return ctx.error(CollectiveMismatchError,
-                         f"rank {r} sent frame {idx} of {nbytes} bytes, rank {self.me} expected frame "
-                         f"{want[5]} of {want[6]} bytes ({ctx.describe()}): the ranks' arguments differ",
-                         peer=r)
+                         f"rank {r} sent frame {idx} of {nbytes} bytes, rank {self.me} expected "
+                         f"frame {want[5]} of {want[6]} bytes ({ctx.describe()}): the ranks' "
+                         "arguments differ", peer=r)
 
     def _timeout(self, waited_on: list[int]) -> DistBackendError:
         ctx = self._ctx()
@@ -328,8 +333,9 @@ class Pump:
             parts.append(f"rank {r} ({p.where()}): {', '.join(what)}")
         first = self.peers[waited_on[0]] if waited_on else None
         return ctx.error(CollectiveTimeoutError,
-                         f"timed out waiting for ranks {waited_on} over tcp ({'; '.join(parts)}); no bytes "
-                         "came in time: a cut link, a stopped process, or a rank that never called this",
+                         f"timed out waiting for ranks {waited_on} over tcp ({'; '.join(parts)}); "
+                         "no bytes came in time: a cut link, a stopped process, or a rank that "
+                         "never called this",
                          missing=waited_on, peer=first.rank if first else -1,
                          host=first.host if first else None)
 

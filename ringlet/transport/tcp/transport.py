@@ -14,7 +14,8 @@ tell the peers (ABORT and BYE frames) so that they fail at once instead of at th
 
 Example (what ``init_process_group(backend="tcp")`` does for each group)::
 
-    transport = TcpTransport.create(group_store, rank, world_size, timeout=300.0, group="default_pg")
+    transport = TcpTransport.create(group_store, rank, world_size, timeout=300.0,
+                                    group="default_pg")
     transport.all_reduce(t, RedOpType.SUM, None, ctx)
 """
 
@@ -146,7 +147,8 @@ class TcpTransport(Transport):
     def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext, ranks: Ranks = None) -> None:
         self._call(self.algos.broadcast, buf.view(-1), root, ctx, ranks)
 
-    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext, ranks: Ranks = None) -> None:
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext,
+                   ranks: Ranks = None) -> None:
         self._call(self.algos.all_gather, inp.view(-1), out.view(-1), ctx, ranks)
 
     def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext,
@@ -161,8 +163,8 @@ class TcpTransport(Transport):
 
     def all_to_all(self, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
                    out_splits: list[int], ctx: OpContext, ranks: Ranks = None) -> None:
-        self._call(self.algos.all_to_all, inp.view(-1), list(in_splits), out.view(-1), list(out_splits),
-                   ctx, ranks)
+        self._call(self.algos.all_to_all, inp.view(-1), list(in_splits), out.view(-1),
+                   list(out_splits), ctx, ranks)
 
     def barrier(self, ctx: OpContext, ranks: Ranks = None) -> None:
         self._call(self.algos.barrier, ctx, ranks)
@@ -193,7 +195,7 @@ class TcpTransport(Transport):
             self.inbox.wake_all()        # a running collective and point-to-point waiters look
 
     def close(self) -> None:
-        """Say BYE to every peer (so a waiting peer reports 'left the group'), close; never blocks."""
+        """Say BYE to every peer (a waiting peer reports 'left the group'), close; never blocks."""
         if self.outbox.closed:
             return
         self.outbox.closed = True
