@@ -71,14 +71,10 @@ def tensor(t: Any, op: str, arg: str, devices: tuple[str, ...] = ("cpu",), *,
     """
     if type(t) not in _PLAIN:
         t = _plain(t, op, arg)
-    if t.layout is not torch.strided or t.is_nested or t.is_quantized:
-        raise _layout_error(t, op, arg)
+    if t.dtype not in _SUPPORTED or t.layout is not torch.strided or t.is_nested:
+        _refuse_kind(t, op, arg)
     if not t.is_cpu:
         _device(t, op, arg, devices)
-    if t.dtype not in _SUPPORTED:
-        raise fail(TypeError, op, arg, f"expected one of the dtypes a transport carries "
-                   f"({', '.join(sorted(str(d).removeprefix('torch.') for d in _SUPPORTED))}), "
-                   f"got {t.dtype}")
     if t.numel():
         _storage(t, op, arg, out)
     return t
@@ -119,6 +115,14 @@ def _plain(t: Any, op: str, arg: str) -> torch.Tensor:
     return t.as_subclass(torch.Tensor)
 
 
+def _refuse_kind(t: torch.Tensor, op: str, arg: str) -> None:
+    """Raise for a tensor that is not dense or whose dtype no transport carries."""
+    if t.layout is not torch.strided or t.is_nested or t.is_quantized:
+        raise _layout_error(t, op, arg)
+    raise fail(TypeError, op, arg, f"expected one of the dtypes a transport carries "
+               f"({', '.join(sorted(str(d).removeprefix('torch.') for d in _SUPPORTED))}), got {t.dtype}")
+
+
 def _layout_error(t: torch.Tensor, op: str, arg: str) -> Exception:
     if t.is_nested:
         got, hint = "a nested tensor", "pass its components (t.unbind()) or a padded dense tensor"
@@ -152,16 +156,20 @@ def _storage(t: torch.Tensor, op: str, arg: str, out: bool) -> None:
     if t.data_ptr() == 0:
         raise fail(ValueError, op, arg, f"expected a tensor with storage, got {_describe(t)} whose "
                    "data pointer is 0 (its storage was freed or resized to 0 bytes)")
-    if min(t.stride(), default=0) < 0:
-        raise fail(ValueError, op, arg, f"expected non-negative strides, got {t.stride()}")
+    if t.is_contiguous():         # the common case: no negative strides, no overlap possible
+        span = t.numel()
+    else:
+        if min(t.stride()) < 0:
+            raise fail(ValueError, op, arg, f"expected non-negative strides, got {t.stride()}")
+        if out:
+            writable(t, op, arg)
+        span = _extent(t)
     st = t.untyped_storage()
-    need = (t.storage_offset() + _extent(t)) * t.element_size()
+    need = (t.storage_offset() + span) * t.element_size()
     if need > st.nbytes():
         raise fail(ValueError, op, arg, f"expected a view inside its storage, got {_describe(t)} at "
                    f"offset {t.storage_offset()} spanning {need} bytes of a storage of "
                    f"{st.nbytes()} bytes (resized after the view was made?)")
-    if out and not t.is_contiguous():
-        writable(t, op, arg)
     if not st.resizable() and t.is_cpu:
         why = _memory.refusal(st, out)
         if why:

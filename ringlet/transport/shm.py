@@ -118,8 +118,13 @@ class ShmTransport(ArenaTransport):
         return transport
 
     def close(self) -> None:
-        """Mark this rank as departed and unmap (bounded; never waits for peers)."""
+        """Mark this rank as departed and unmap (bounded; never waits for peers).
+
+        A collective still running on another thread (one that outlived the group's bounded
+        teardown) may be about to ``memmove`` to the arena's raw addresses: then the mapping is
+        not closed here but when the last reference to it goes, after that thread."""
         try:
+            in_flight = self.q[self._entered_i] != self.q[self._done_i]
             self.mark_departed()
         except (ValueError, AttributeError):
             return
@@ -132,6 +137,8 @@ class ShmTransport(ArenaTransport):
         self._fd_rank.clear()
         self._fast.clear()
         self.arena.release()
+        if in_flight:
+            return
         try:
             self._mm.close()
         except BufferError:
