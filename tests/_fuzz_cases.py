@@ -226,14 +226,7 @@ class Maker:
             return torch.frombuffer(raw, dtype=v.dtype)[:v.numel()].view(v.shape)
 
     def _k_ro_mmap(self, v: torch.Tensor) -> torch.Tensor:
-        raw = v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() + b"\0" * 16
-        fd, path = tempfile.mkstemp(prefix="ringlet-fuzz-")
-        try:
-            os.write(fd, raw)
-            mm = mmap.mmap(fd, len(raw), access=mmap.ACCESS_READ)
-        finally:
-            os.close(fd)
-            os.unlink(path)
+        mm = read_only_map(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() + b"\0" * 16)
         self.maps.append(mm)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -273,6 +266,17 @@ class Maker:
 
     def _k_not_tensor(self, v: torch.Tensor) -> Any:
         return [v.tolist(), v.numpy(), None, 3, "t"][int(v.numel()) % 5]
+
+
+def read_only_map(data: bytes) -> mmap.mmap:
+    """A read-only mapping of a file holding ``data`` (the file is already unlinked)."""
+    fd, path = tempfile.mkstemp(prefix="ringlet-ro-")
+    try:
+        os.write(fd, data)
+        return mmap.mmap(fd, len(data), access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def refused(kind: str, role: str, x: Any, shape: tuple[int, ...]) -> bool:

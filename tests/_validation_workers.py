@@ -6,15 +6,13 @@ what the test asserts on; ``proc_suite`` runs them all in one process world.
 
 from __future__ import annotations
 
-import mmap
-import os
-import tempfile
 import time
 import warnings
 from datetime import timedelta
 from typing import Any
 
 import torch
+from _fuzz_cases import read_only_map
 
 import ringlet.distributed as dist
 
@@ -54,24 +52,13 @@ def check_dtensor(rank: int, n: int) -> dict[str, Any]:
     return out
 
 
-def _read_only_map(data: bytes) -> tuple[mmap.mmap, Any]:
-    fd, path = tempfile.mkstemp(prefix="ringlet-ro-")
-    try:
-        os.write(fd, data)
-        mm = mmap.mmap(fd, len(data), access=mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return mm, path
-
-
 def check_read_only(rank: int, n: int) -> dict[str, Any]:
     """Writing into read-only memory must raise, never SIGSEGV; reading from it is fine."""
     out: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)      # torch warns that the buffer is not writable
         frozen = torch.frombuffer(bytes(range(1, 9)), dtype=torch.uint8)
-        mm, _ = _read_only_map(bytes(range(16)) * 256)
+        mm = read_only_map(bytes(range(16)) * 256)
         mapped = torch.frombuffer(mm, dtype=torch.float32)
     out["bytes_all_reduce"] = outcome(lambda: dist.all_reduce(frozen))
     out["mmap_all_reduce"] = outcome(lambda: dist.all_reduce(mapped))
