@@ -277,3 +277,16 @@ def _async(rank: int, world: int, root: str) -> list:
 def test_async_save_snapshots_at_call_time_one_in_flight(tmp_path) -> None:
     out = run_threads(_async, 2, str(tmp_path))
     assert out[0][0] == [([1.0], [1.0], 1), ([2.0], [2.0], 2)] and out[0] == out[1]
+
+
+def test_overwrite_false_and_missing_checkpoint_and_file_in_the_way(tmp_path) -> None:
+    dcp.save({"a": torch.ones(2)}, checkpoint_id=tmp_path / "ck")
+    with pytest.raises(dcp.CheckpointException, match="overwrite=False"):
+        dcp.save({"a": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(tmp_path / "ck", overwrite=False))
+    with pytest.raises(dcp.CheckpointException, match="no committed checkpoint"):
+        dcp.load({"a": torch.zeros(2)}, checkpoint_id=tmp_path / "nothing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(dcp.CheckpointException, match="exists and is not a directory"):
+        dcp.save({"a": torch.ones(2)}, checkpoint_id=tmp_path / "file")
+    with pytest.raises(TypeError, match="custom planners are not supported"):
+        dcp.save({"a": torch.ones(2)}, checkpoint_id=tmp_path / "ck", planner=object())
