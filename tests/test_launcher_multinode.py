@@ -305,3 +305,31 @@ def test_two_node_job_across_simulated_hosts_with_a_token(tmp_path: Path) -> Non
     res = [json.loads((tmp_path / f"res{r}.json").read_text()) for r in range(4)]
     assert [r["backend"] for r in res] == ["shm+tcp"] * 4
     assert [r["sum0"] for r in res] == [6.0] * 4 and not any(r["token_env"] for r in res)
+
+
+def _main_thread_switches(pid: int) -> int:
+    text = Path(f"/proc/{pid}/task/{pid}/status").read_text()
+    return int(re.search(r"voluntary_ctxt_switches:\s+(\d+)", text).group(1))  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(90)
+def test_launchers_block_instead_of_polling_the_store(tmp_path: Path) -> None:
+    """While the workers run, each launcher's main thread sleeps until a worker exits or another
+    node reports a failure (a helper thread blocks on the store and beats once a second)."""
+    env = _env(LINGER="3")
+    with _launchers(tmp_path) as procs:
+        common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-timeout", "30"]
+        n0 = _start(procs, tmp_path, 0, *common, "--node-rank", "0", "--master-port", "0", env=env)
+        port = _port_of(n0)
+        n1 = _start(procs, tmp_path, 1, *common, "--node-rank", "1", "--master-port", str(port), env=env)
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        before = [_main_thread_switches(p.pid) for p in (n0, n1)]
+        time.sleep(1.0)
+        woke = [_main_thread_switches(p.pid) - b for p, b in zip((n0, n1), before, strict=True)]
+        out1, err1 = n1.communicate(timeout=60)
+        out0, err0 = n0.communicate(timeout=30)
+    assert n0.returncode == 0 and n1.returncode == 0, err0 + err1
+    assert max(woke) <= 2, f"launcher main threads woke {woke} times in 1 s while their workers slept"

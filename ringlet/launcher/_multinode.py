@@ -15,15 +15,23 @@ worker fails anywhere, and restart together while ``--max-restarts`` allows.
 
 from __future__ import annotations
 
+import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
 
 from ringlet.errors import DistError
-from ringlet.launcher._nodes import NodeRendezvous, Outcome, RendezvousFailed, launcher_version
+from ringlet.launcher._nodes import (
+    BEAT_PERIOD_S,
+    NodeRendezvous,
+    Outcome,
+    RendezvousFailed,
+    launcher_version,
+)
 from ringlet.launcher._plan import PROG, LaunchConfig
 from ringlet.launcher._runtime import Signals, run_dir, say, shared_token
 from ringlet.launcher._supervisor import GenerationResult
@@ -31,7 +39,6 @@ from ringlet.store import TCPStore
 
 __all__ = ["run_nodes"]
 
-ELSEWHERE_POLL_S = 0.5    # how often a node looks for another node's failure while its workers run
 
 
 def run_nodes(config: LaunchConfig) -> int:
@@ -118,21 +125,68 @@ def _supervise(run: Any, nodes: NodeRendezvous) -> int:
     return 1
 
 
+class _RemoteFailureWatch:
+    """While this node's workers run, a thread blocks on the store until another node reports a
+    failure of ``gen`` (beating meanwhile), then wakes the launcher's wait through a pipe, so the
+    main thread never polls the store ([Note: node rendezvous])."""
+
+    def __init__(self, nodes: NodeRendezvous, gen: int) -> None:
+        self._nodes, self._gen = nodes, gen
+        self._stop = threading.Event()
+        self._failed = threading.Event()
+        self._lock = threading.Lock()
+        self._exited = False
+        self._r, self._w = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._run, name=f"ringlet-run-nodes-gen{gen}", daemon=True)
+
+    @property
+    def fd(self) -> int:
+        return self._r
+
+    def failed(self) -> bool:
+        return self._failed.is_set()
+
+    def _run(self) -> None:
+        key = f"launcher/gen{self._gen}/failed"
+        try:
+            while not self._stop.is_set():
+                if self._nodes._wait([key], time.monotonic() + BEAT_PERIOD_S):
+                    break
+        except (DistError, OSError):   # the store is gone: the main thread finds out itself
+            pass
+        with self._lock:   # whichever of this thread and stop() comes second closes the pipe
+            self._exited = True
+            if self._stop.is_set():
+                self._close()
+            else:
+                self._failed.set()
+                os.write(self._w, b"x")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Never waits for the thread's current store wait: it leaves within a beat period."""
+        with self._lock:
+            self._stop.set()
+            if self._exited:
+                self._close()
+
+    def _close(self) -> None:
+        os.close(self._r)
+        os.close(self._w)
+
+
 def _generation(run: Any, nodes: NodeRendezvous, gen: int) -> tuple[GenerationResult, Outcome]:
     """Run this node's workers of ``gen``; the job's outcome decides what happens next."""
     from ringlet.launcher.run import run_generation
 
-    next_poll = [0.0]
-
-    def elsewhere() -> bool:
-        now = time.monotonic()
-        if now < next_poll[0]:
-            return False
-        next_poll[0] = now + ELSEWHERE_POLL_S
-        nodes.beat()
-        return nodes.remote_failure(gen) is not None
-
-    result = run_generation(run, gen, elsewhere)
+    watch = _RemoteFailureWatch(nodes, gen)
+    watch.start()
+    try:
+        result = run_generation(run, gen, watch.failed, watch.fd)
+    finally:
+        watch.stop()
     if result.state == "start_failed":
         say(f"error: {result.message}")
         won = nodes.report_failure(gen, {"reason": result.message, "interrupted": True})

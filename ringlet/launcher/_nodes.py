@@ -13,12 +13,17 @@ connects to it with the run token.  Before any worker starts:
 3. the other nodes wait for either key.
 
 Each generation ``g`` (restart) starts with a barrier on ``launcher/gen<g>/ready/<rank>``.  A
-node whose worker fails publishes ``launcher/gen<g>/failed`` (first one wins); every node polls
+node whose worker fails publishes ``launcher/gen<g>/failed`` (first one wins); every node watches
 it while its workers run and stops them at once.  A node whose workers all succeeded publishes
 ``launcher/gen<g>/done/<rank>`` and waits for the job's outcome: success when every node is done,
 a restart (or the end) when one failed.  Launchers beat ``launcher/hb/<rank>`` every second; a
 node whose beat stops for ``HEARTBEAT_S`` counts as failed.  Node 0 keeps the store up until
 every node said ``launcher/exit/<rank>`` (bounded), so no worker loses it early.
+
+Nothing here polls: every wait is a ``store.wait`` parked in the store's server until its keys
+appear (``launcher/decided`` once node 0 published the run id or the error; a node's queue
+``launcher/gen<g>/wake/<rank>``, to which each ``done`` and ``failed`` pushes, counts as present
+while it holds an event), bounded by the beat period so that heartbeats keep going.
 """
 
 from __future__ import annotations
@@ -28,15 +33,15 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
-from ringlet.errors import DistError
+from ringlet.errors import DistError, DistStoreError
 
 __all__ = ["NodeRendezvous", "RendezvousFailed", "launcher_version"]
 
 HEARTBEAT_S = 30.0       # a node silent this long is taken for dead
 BEAT_PERIOD_S = 1.0
-POLL_S = 0.05
 EXIT_WAIT_S = 30.0       # node 0 waits this long for the others to leave before closing the store
 _FIELDS = ("nnodes", "nproc_per_node", "max_restarts", "version")
 
@@ -83,38 +88,45 @@ class NodeRendezvous:
         got = self.store.compare_set(f"launcher/node/{self.rank}", b"", mine)
         if got != mine:
             other = json.loads(got)
-            msg = (f"node rank {self.rank} was given twice: to pid {other['pid']} on {other['host']} and to "
-                   f"pid {self.info['pid']} on {self.info['host']}")
-            self.store.set("launcher/error", msg)
-            raise RendezvousFailed(msg)
+            self._fail(f"node rank {self.rank} was given twice: to pid {other['pid']} on {other['host']} "
+                       f"and to pid {self.info['pid']} on {self.info['host']}")
         if self.rank == 0:
             return self._agree(run_id)
         deadline = time.monotonic() + self.timeout + 5.0   # node 0 answers at its own deadline
-        while time.monotonic() < deadline:
-            self.beat()
-            if self.store.check(["launcher/error"]):
-                raise RendezvousFailed(self.store.get("launcher/error").decode())
-            if self.store.check(["launcher/go"]):
-                return str(json.loads(self.store.get("launcher/go"))["run_id"])
-            time.sleep(POLL_S)
-        raise RendezvousFailed(f"node 0 at {self.where} never started the job within {self.timeout:.0f} s")
+        while not self._wait(["launcher/decided"], deadline):
+            if time.monotonic() >= deadline:
+                raise RendezvousFailed(f"node 0 at {self.where} never started the job within "
+                                       f"{self.timeout:.0f} s")
+        if self.store.check(["launcher/error"]):
+            raise RendezvousFailed(self.store.get("launcher/error").decode())
+        return str(json.loads(self.store.get("launcher/go"))["run_id"])
+
+    def _wait(self, keys: list[str], deadline: float) -> bool:
+        """Beat, then block until ``keys`` exist, at most a beat period or until ``deadline``."""
+        self.beat()
+        seconds = min(BEAT_PERIOD_S, deadline - time.monotonic())
+        if seconds <= 0:
+            return self.store.check(keys)
+        try:
+            self.store.wait(keys, timedelta(seconds=seconds))
+        except DistStoreError as e:
+            if e.context.get("timeout") is None:   # not a timeout: the store is gone
+                raise
+            return False
+        return True
 
     def _agree(self, run_id: str) -> str:
         deadline = time.monotonic() + self.timeout
-        infos: dict[int, dict[str, Any]] = {}
-        while len(infos) < self.nnodes:
-            for r in range(self.nnodes):
-                if r not in infos and self.store.check([f"launcher/node/{r}"]):
-                    infos[r] = json.loads(self.store.get(f"launcher/node/{r}"))
-            if len(infos) == self.nnodes:
-                break
-            if time.monotonic() > deadline:
+        keys = [f"launcher/node/{r}" for r in range(self.nnodes)]
+        while not self._wait(keys, deadline):
+            if time.monotonic() >= deadline:
+                infos = {r: json.loads(self.store.get(k)) for r, k in enumerate(keys) if self.store.check([k])}
                 missing = [r for r in range(self.nnodes) if r not in infos]
                 joined = ", ".join(f"{r} ({i['host']})" for r, i in sorted(infos.items()))
                 self._fail(f"nodes {missing} never reached the master at {self.where} within "
                            f"{self.timeout:.0f} s (joined: {joined}); check --master-addr/--master-port, "
                            "the token, and that every node was started")
-            time.sleep(POLL_S)
+        infos = {r: json.loads(v) for r, v in enumerate(self.store.multi_get(keys))}
         for field in _FIELDS:
             values = {r: i[field] for r, i in infos.items()}
             if len(set(map(str, values.values()))) > 1:
@@ -122,10 +134,12 @@ class NodeRendezvous:
                 self._fail(f"nodes disagree on {field}: {detail}")
         self.store.set("launcher/go", json.dumps({"run_id": run_id, "hosts": [infos[r]["host"]
                                                                           for r in range(self.nnodes)]}))
+        self.store.set("launcher/decided", b"go")
         return run_id
 
     def _fail(self, msg: str) -> None:
         self.store.set("launcher/error", msg)
+        self.store.set("launcher/decided", b"error")
         raise RendezvousFailed(msg)
 
     # -- generations -----------------------------------------------------------------------
@@ -137,19 +151,31 @@ class NodeRendezvous:
             self._next_beat = now + BEAT_PERIOD_S
 
     def start_generation(self, gen: int) -> None:
-        """Barrier: every node is ready to start generation ``gen``."""
+        """Barrier: every node is ready to start generation ``gen`` (or one gave up meanwhile:
+        the caller sees its failure when it first looks)."""
         self.store.set(f"launcher/gen{gen}/ready/{self.rank}", b"1")
+        self._wake_all(gen)
         deadline = time.monotonic() + self.timeout
         keys = [f"launcher/gen{gen}/ready/{r}" for r in range(self.nnodes)]
         while not self.store.check(keys):
-            self.beat()
             if self.store.check([f"launcher/gen{gen}/failed"]):
-                return       # a node gave up meanwhile; the caller sees it at its first poll
+                return
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.nnodes) if not self.store.check([keys[r]])]
                 raise RendezvousFailed(f"nodes {missing} did not start restart generation {gen} within "
                                        f"{self.timeout:.0f} s")
-            time.sleep(POLL_S)
+            self.wait_event(gen, deadline)
+
+    def wait_event(self, gen: int, deadline: float) -> None:
+        """Block until another node marks progress in ``gen`` (ready, done, failed) or a beat is due."""
+        key = f"launcher/gen{gen}/wake/{self.rank}"
+        if self._wait([key], deadline):
+            while self.store.queue_len(key):
+                self.store.queue_pop(key, block=False)
+
+    def _wake_all(self, gen: int) -> None:
+        for r in range(self.nnodes):
+            self.store.queue_push(f"launcher/gen{gen}/wake/{r}", str(self.rank))
 
     def remote_failure(self, gen: int) -> dict[str, Any] | None:
         """The report of the node that failed generation ``gen`` (possibly this one), if any."""
@@ -160,11 +186,14 @@ class NodeRendezvous:
     def report_failure(self, gen: int, report: dict[str, Any]) -> dict[str, Any]:
         """Publish this node's failure unless another node's came first; returns the one that won."""
         mine = json.dumps({**report, "node": self.rank, "host": self.info["host"]}).encode()
-        return dict(json.loads(self.store.compare_set(f"launcher/gen{gen}/failed", b"", mine)))
+        won = dict(json.loads(self.store.compare_set(f"launcher/gen{gen}/failed", b"", mine)))
+        self._wake_all(gen)
+        return won
 
     def wait_outcome(self, gen: int) -> Outcome:
         """After this node's workers succeeded: wait until all nodes are done or one failed."""
         self.store.set(f"launcher/gen{gen}/done/{self.rank}", b"1")
+        self._wake_all(gen)
         keys = [f"launcher/gen{gen}/done/{r}" for r in range(self.nnodes)]
         while True:
             failed = self.remote_failure(gen)
@@ -176,8 +205,7 @@ class NodeRendezvous:
             if silent:
                 report = {"reason": f"node(s) {silent} stopped answering (no heartbeat for {HEARTBEAT_S:.0f} s)"}
                 return Outcome("failed", self.report_failure(gen, report))
-            self.beat()
-            time.sleep(0.2)
+            self.wait_event(gen, time.monotonic() + BEAT_PERIOD_S)
 
     def silent_nodes(self, ranks: list[int]) -> list[int]:
         """Nodes among ``ranks`` whose heartbeat has not moved for ``HEARTBEAT_S``."""
@@ -202,9 +230,9 @@ class NodeRendezvous:
             joined = [r for r in range(self.nnodes) if self.store.check([f"launcher/node/{r}"])]
             deadline = time.monotonic() + EXIT_WAIT_S
             while time.monotonic() < deadline:
-                staying = [r for r in joined if not self.store.check([f"launcher/exit/{r}"])]
-                if not staying or self.silent_nodes(staying):
+                staying = [f"launcher/exit/{r}" for r in joined if not self.store.check([f"launcher/exit/{r}"])]
+                if not staying or self.silent_nodes([int(k.rsplit("/", 1)[1]) for k in staying]):
                     return
-                time.sleep(0.1)
+                self._wait(staying, deadline)
         except DistError:
             pass   # the store is gone: nothing left to coordinate

@@ -198,14 +198,15 @@ class Generation:
 
     def watch(
         self, interval: float, interrupted: Callable[[], int | None],
-        elsewhere: Callable[[], bool] | None = None,
+        elsewhere: Callable[[], bool] | None = None, wake_fd: int | None = None,
     ) -> GenerationResult:
         """Wait until all workers succeed, one fails or hangs (heartbeat), a signal arrives, or
-        ``elsewhere()`` says the job failed on another node (multi-node runs).  Blocks on the
-        workers' pidfds and the signal pipe; ``interval`` paces the periodic checks only."""
+        ``elsewhere()`` says the job failed on another node (multi-node runs; ``wake_fd`` turns
+        readable then).  Blocks on the workers' pidfds, the signal pipe and ``wake_fd``;
+        ``interval`` paces the periodic checks only."""
         popens = [w.popen for w in self.workers]
         out = wait_workers(popens, interval, interrupted, elsewhere, self._heartbeats,
-                           lambda i: kill_hung(popens[i], self._python))
+                           lambda i: kill_hung(popens[i], self._python), wake_fd)
         if out.state == "failed":
             failed = [self.workers[i] for i in out.failed]
             return GenerationResult("failed", failures=self._failures(failed, out.hung, out.failed))

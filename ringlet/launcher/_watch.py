@@ -84,10 +84,13 @@ class Heartbeats:
 
 
 @contextlib.contextmanager
-def _wakeups(popens: Sequence[subprocess.Popen[bytes]]) -> Iterator[tuple[selectors.BaseSelector, dict[int, int], bool]]:
-    """A selector over the workers' pidfds and the signal wake-up pipe; yields (selector,
-    pidfd -> worker index, whether it can block without a timer)."""
+def _wakeups(popens: Sequence[subprocess.Popen[bytes]],
+             wake_fd: int | None) -> Iterator[tuple[selectors.BaseSelector, dict[int, int], bool]]:
+    """A selector over the workers' pidfds, the signal wake-up pipe and ``wake_fd``; yields
+    (selector, pidfd -> worker index, whether it can block without a timer)."""
     sel = selectors.DefaultSelector()
+    if wake_fd is not None:
+        sel.register(wake_fd, selectors.EVENT_READ, "elsewhere")
     fds: dict[int, int] = {}
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     blocking, previous = True, None
@@ -116,12 +119,15 @@ def _wakeups(popens: Sequence[subprocess.Popen[bytes]]) -> Iterator[tuple[select
 
 def wait_workers(popens: Sequence[subprocess.Popen[bytes]], interval: float,
                  interrupted: Callable[[], int | None], elsewhere: Callable[[], bool] | None,
-                 heartbeats: Heartbeats | None, on_hung: Callable[[int], None]) -> Outcome:
+                 heartbeats: Heartbeats | None, on_hung: Callable[[int], None],
+                 wake_fd: int | None = None) -> Outcome:
     """Until all workers succeed, one fails or goes silent, a signal arrives, or ``elsewhere()``
-    reports a failure on another node.  ``on_hung(i)`` must kill worker ``i``."""
+    reports a failure on another node (``wake_fd`` readable: no need to ask it periodically).
+    ``on_hung(i)`` must kill worker ``i``."""
     if heartbeats is not None:
         heartbeats.started()
-    with _wakeups(popens) as (sel, fds, blocking):
+    periodic = elsewhere if wake_fd is None else None
+    with _wakeups(popens, wake_fd) as (sel, fds, blocking):
         while True:
             signum = interrupted()
             if signum is not None:
@@ -144,7 +150,7 @@ def wait_workers(popens: Sequence[subprocess.Popen[bytes]], interval: float,
                 if codes[i] is not None:
                     sel.unregister(fd)
                     del fds[fd]
-            _sleep(sel, _timeout(blocking, interval, elsewhere, heartbeats))
+            _sleep(sel, _timeout(blocking, interval, periodic, heartbeats))
 
 
 def _timeout(blocking: bool, interval: float, elsewhere: object, heartbeats: Heartbeats | None) -> float | None:

@@ -173,15 +173,16 @@ def worker_specs(run: Run, restart: int) -> list[WorkerSpec]:
     return specs
 
 
-def run_generation(run: Run, restart: int,
-                   elsewhere: Callable[[], bool] | None = None) -> GenerationResult:
-    """Start this node's workers of generation ``restart``, watch them, always stop them."""
+def run_generation(run: Run, restart: int, elsewhere: Callable[[], bool] | None = None,
+                   wake_fd: int | None = None) -> GenerationResult:
+    """Start this node's workers of generation ``restart``, watch them, always stop them.
+    ``elsewhere()`` says the job failed on another node; ``wake_fd`` becomes readable then."""
     config = run.config
     generation = Generation(worker_specs(run, restart), heartbeat_timeout=config.heartbeat_timeout,
                             python_workers=not config.no_python)
     try:
         generation.start()
-        return generation.watch(config.monitor_interval, lambda: run.signals.received, elsewhere)
+        return generation.watch(config.monitor_interval, lambda: run.signals.received, elsewhere, wake_fd)
     except WorkerStartError as err:
         return GenerationResult("start_failed", message=str(err))
     finally:
