@@ -211,8 +211,8 @@ def load_into(state_dict: dict[str, Any], directory: str, coord: Coordinator, st
         leaves = flatten(resolved)
         targets, updates = _match(meta, leaves, strict)
         error = _verify(directory, meta.files, targets)
-    except (TypeError, ValueError) as e:
-        error = f"{directory}: {e}"
+    except Exception as e:  # noqa: BLE001 - agreed below, so every rank raises and none waits
+        error = f"{directory}: {type(e).__name__}: {e}" if not isinstance(e, ValueError) else f"{directory}: {e}"
     coord.agree("load", error)
     unexpected = sorted((set(meta.tensors) | set(meta.values)) - set(leaves))
     if unexpected and coord.rank == 0:
@@ -221,7 +221,7 @@ def load_into(state_dict: dict[str, Any], directory: str, coord: Coordinator, st
     error = None
     try:
         _copy(directory, meta.files, targets)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - agreed below
         error = f"{directory}: reading failed after verification: {e}"
     coord.agree("load", error)
     replace_leaves(resolved, updates)

@@ -104,7 +104,7 @@ def prepare(state_dict: dict[str, Any], writer: FileSystemWriter, coord: Coordin
         payload.update(desc)
         if coord.rank == 0:
             lock = _open_directory(writer)
-    except (TypeError, ValueError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - shared with the peers, who raise it too (no one waits)
         payload.update(error=f"{type(e).__name__}: {e}", tensors=[], values=[])
     payloads = coord.all_gather_json(payload)
     failures = {r: p["error"] for r, p in enumerate(payloads) if p["error"]}
@@ -131,10 +131,11 @@ def write(prep: Prepared, rank: int) -> dict[str, Any]:
     name = shard_name(prep.save_id, rank)
     try:
         size, chunks = write_shard(prep.writer.path, name, prep.save_id, rank, prep.items, prep.writer.sync_files)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - reported to every rank by ``finish``
         want = sum(b.numel * prep.plan.tensors[k].itemsize for k, b, _, _ in prep.items)
+        why = f"[errno {e.errno}] {e.strerror}" if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
         return {"error": f"writing {os.path.join(prep.writer.path, name)} ({want} bytes of tensors) failed: "
-                         f"[errno {e.errno}] {e.strerror}", "file": name, "bytes": 0, "chunks": []}
+                         f"{why}", "file": name, "bytes": 0, "chunks": []}
     return {"error": None, "file": name, "bytes": size,
             "chunks": [[key, c.to_json()] for (key, _, _, _), c in zip(prep.items, chunks, strict=True)]}
 
