@@ -218,10 +218,10 @@ def serialization_globals() -> list[Any]:
         with torch.serialization.safe_globals(serialization_globals()):
             sd = torch.load(path)
     """
-    from ringlet.dtensor.placements import _NormPartial
+    from ringlet.dtensor.placements import _NormPartial, _StridedShard
     from ringlet.mesh._registry import restore_mesh
 
-    return [_rebuild_dtensor, restore_mesh, Shard, Replicate, Partial, _NormPartial]
+    return [_rebuild_dtensor, restore_mesh, Shard, Replicate, Partial, _NormPartial, _StridedShard]
 
 
 def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, shape: Sequence[int],
@@ -356,11 +356,11 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
             if mesh.shape[axis] > 1:
                 local = _comm.broadcast(local, mesh, axis, src_data_rank)
                 fresh = True
+    for axis in _shard_math.shard_order(pls):
+        local = pls[axis].local_chunk(local, mesh.shape[axis], coord[axis])  # type: ignore[attr-defined]
+        fresh = False          # a view of the whole tensor: copy it so that the whole can be freed
     for axis, p in enumerate(pls):
-        if isinstance(p, Shard):
-            local = p.local_chunk(local, mesh.shape[axis], coord[axis])
-            fresh = False      # a view of the whole tensor: copy it so that the whole can be freed
-        elif isinstance(p, Partial):
+        if isinstance(p, Partial):
             local = p.partition(local, coord[axis])
     if not fresh:
         local = local.clone(memory_format=torch.contiguous_format)

@@ -31,6 +31,7 @@ from ringlet.dtensor._plan import (
 )
 from ringlet.dtensor._redistribute import redistribute_local
 from ringlet.dtensor._spec import DTensorSpec
+from ringlet.dtensor.placements import Shard
 
 __all__ = ["decide", "rule_for"]
 
@@ -63,6 +64,7 @@ def decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[
             raise unsupported(call)
         rule = replicate_rule
     plan = rule(call)
+    _check_strided(call, plan)
     written = call.written_positions()
     flat = list(call.flat)
     moves: list[tuple[int, Any, Any, Any]] = []
@@ -92,6 +94,27 @@ def decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[
             cache.clear()
         cache[key] = Decision(fn, tuple(_slot_moves(call, moves)), kind, desc)
     return result
+
+
+def _check_strided(call: OpCall, plan: Plan) -> None:
+    """Refuse a plan that keeps a ``_StridedShard`` input but gives a plain ``Shard`` output on its axis.
+
+    Rules build output placements from input dims; a plain shard built from a strided one
+    would describe the output's pieces wrongly ([Note: strided shards] in ``_redistribute``).
+    Elementwise rules keep the strided placement; other ops on such tensors must redistribute.
+    """
+    axes = {a for req in plan.inputs for a, p in enumerate(req) if isinstance(p, Shard) and p._applied_last}
+    if not axes or plan.outputs is None:
+        return
+    outs = plan.outputs if isinstance(plan.outputs, list) else [plan.outputs]
+    for pls in outs:
+        for a in axes:
+            p = pls[a]
+            if isinstance(p, Shard) and not p._applied_last:
+                raise NotImplementedError(
+                    f"{call.func}: no DTensor sharding rule for {call.describe()} on {call.mesh!r} that keeps the "
+                    f"strided layout of mesh axis {a} (fully_shard over tensor-parallel parameters); "
+                    f"redistribute() to plain placements or use full_tensor() first")
 
 
 def _runner(func: Any, plan: Plan) -> Any:

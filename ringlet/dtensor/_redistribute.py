@@ -17,6 +17,12 @@ only split or gather a dim while no *later* axis holds that dim split.  The plan
 
 Step 2 runs inner axes first, so no later axis splits a dim that an earlier axis
 gathers; step 3 splits outer axes first, so nested shards nest in mesh order.
+
+[Note: strided shards]
+A ``_StridedShard`` takes its chunk after every plain shard (``_shard_math.shard_order``),
+so it is the innermost split of its dim whatever its axis.  :func:`redistribute_local`
+therefore gathers strided source axes first (last applied first), plans the rest between
+plain placements, and takes strided target chunks last (a local chunk of what is left).
 """
 
 from __future__ import annotations
@@ -118,10 +124,23 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: Placements, d
     if coord is None:
         raise ValueError(f"redistribute: rank {mesh.get_rank()} is not part of {mesh!r}")
     cur = list(src)
-    for step in plan(tuple(src), tuple(dst)):
+    strided_src = [a for a in _shard_math.shard_order(cur) if _strided(cur[a])]
+    for axis in reversed(strided_src):           # [Note: strided shards]
+        local = _run(Step(axis, cur[axis], Replicate()), local, mesh, coord, cur, shape)
+        cur[axis] = Replicate()
+    plain_dst = tuple(Replicate() if _strided(p) else p for p in dst)
+    for step in plan(tuple(cur), plain_dst):
         local = _run(step, local, mesh, coord, cur, shape)
         cur[step.axis] = step.dst
+    for axis, p in enumerate(dst):
+        if _strided(p):
+            local = _run(Step(axis, Replicate(), p), local, mesh, coord, cur, shape)
+            cur[axis] = p
     return local
+
+
+def _strided(p: Placement) -> bool:
+    return isinstance(p, Shard) and p._applied_last
 
 
 def _run(step: Step, local: torch.Tensor, mesh: DeviceMesh, coord: list[int], cur: list[Placement],

@@ -8,7 +8,9 @@ shard is always ``tensor.chunk(n, dim)[i]`` (or empty).
 
 Several mesh axes may shard the same tensor dim (``[S(0), S(0)]``): placements are
 applied in mesh-axis order, each axis chunking what the axes before it left
-(chunk of a chunk).  :func:`local_shape_and_offset` walks that order.
+(chunk of a chunk).  A ``_StridedShard`` is applied after every plain shard, so the
+order is: plain shards in mesh order, then strided ones in mesh order
+(:func:`shard_order`).  :func:`local_shape_and_offset` walks that order.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "contiguous_strides",
     "local_shape_and_offset",
     "pad_dim",
+    "shard_order",
     "size_seen_by_axis",
     "strides_like",
 ]
@@ -55,6 +58,12 @@ def chunk_offset(size: int, n: int, i: int) -> int:
     return min(i * full, size)
 
 
+def shard_order(placements: Sequence[object]) -> list[int]:
+    """The mesh axes that shard, in the order their chunks are taken (see the module docstring)."""
+    plain = [a for a, p in enumerate(placements) if _is_shard(p) and not getattr(p, "_applied_last", False)]
+    return plain + [a for a, p in enumerate(placements) if _is_shard(p) and getattr(p, "_applied_last", False)]
+
+
 def local_shape_and_offset(global_shape: Sequence[int], mesh_shape: Sequence[int],
                            coord: Sequence[int], placements: Sequence[object]) -> tuple[list[int], list[int]]:
     """The shape of this rank's shard and its offset in the global tensor.
@@ -64,9 +73,8 @@ def local_shape_and_offset(global_shape: Sequence[int], mesh_shape: Sequence[int
     """
     shape = list(global_shape)
     offset = [0] * len(shape)
-    for axis, p in enumerate(placements):
-        if not _is_shard(p):
-            continue
+    for axis in shard_order(placements):
+        p = placements[axis]
         d = p.dim  # type: ignore[attr-defined]
         n, i = mesh_shape[axis], coord[axis]
         offset[d] += chunk_offset(shape[d], n, i)
@@ -82,9 +90,10 @@ def size_seen_by_axis(global_shape: Sequence[int], mesh_shape: Sequence[int], co
     so this is also the size of the local tensor's ``dim`` whenever ``axis`` holds it whole.
     """
     size = global_shape[dim]
-    for a in range(axis):
-        p = placements[a]
-        if _is_shard(p) and p.dim == dim:  # type: ignore[attr-defined]
+    for a in shard_order(placements):
+        if a == axis:
+            break
+        if placements[a].dim == dim:  # type: ignore[attr-defined]
             size = chunk_size(size, mesh_shape[a], coord[a])
     return size
 

@@ -121,7 +121,7 @@ def normalize_placements(placements: Sequence[Placement] | None, mesh: DeviceMes
         if isinstance(p, Shard):
             if not -ndim <= p.dim < max(ndim, 1) or ndim == 0:
                 raise ValueError(f"{op}: placements: {p!r} names a dim outside a {ndim}-d tensor")
-            p = Shard(p.dim % ndim)
+            p = dataclasses.replace(p, dim=p.dim % ndim)   # keeps subclasses (_StridedShard)
         out.append(p)
     return tuple(out)
 

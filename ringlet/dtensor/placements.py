@@ -7,6 +7,8 @@ Three small frozen value objects that own their math, each printing as a short t
 * ``Replicate()`` -- ``R``: every rank holds the whole value.
 * ``Partial(reduce_op="sum")`` -- ``P(sum)``: every rank holds a tensor of the full
   shape and the global value is their reduction (``sum``, ``avg``, ``max``, ``min``).
+* ``_StridedShard(dim, split_factor)`` -- ``_S(0,2)``: a ``Shard`` that chunks after the
+  later axes' shards of the same dim (fully_shard over tensor-parallel parameters).
 
 ``_NormPartial(norm_type)`` -- ``P(norm2)`` -- is the partial state of a p-norm: the
 global value is ``(sum_r x_r ** p) ** (1 / p)``; reductions produce it so that
@@ -17,14 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ringlet.c10d.reduce_op import ReduceOp
 from ringlet.dtensor import _shard_math
 
-__all__ = ["Partial", "Placement", "Replicate", "Shard", "_NormPartial"]
+__all__ = ["Partial", "Placement", "Replicate", "Shard", "_NormPartial", "_StridedShard"]
 
 
 class Placement:
@@ -51,6 +53,7 @@ class Shard(Placement):
     """
 
     dim: int
+    _applied_last: ClassVar[bool] = False      # see _StridedShard
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or isinstance(self.dim, bool):
@@ -73,6 +76,38 @@ class Shard(Placement):
         size = t.shape[self.dim]
         return t.narrow(self.dim, _shard_math.chunk_offset(size, n, coord),
                         _shard_math.chunk_size(size, n, coord))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _StridedShard(Shard):
+    """A ``Shard(dim)`` applied *after* the shards of the later mesh axes on the same dim.
+
+    Prints as ``_S(0,2)``.  Plain shards nest in mesh-axis order (chunk of a chunk); a strided
+    shard takes its chunk last, out of what the plain ones left.  fully_shard over a
+    tensor-parallel parameter needs it: on mesh ``(dp, tp)`` with ``(_StridedShard(0, 2),
+    Shard(0))`` the rank at ``(d, t)`` holds piece ``d`` of tp chunk ``t`` -- so an all-gather
+    over dp gives back exactly the tensor-parallel shard -- where ``(Shard(0), Shard(0))``
+    would hold piece ``t`` of dp chunk ``d``.  ``split_factor`` is the number of pieces the
+    later axes cut the dim into (torch's name; the layout follows from the placements alone).
+
+    Example::
+
+        # 8 rows on a 2x2 (dp, tp) mesh: rank (d, t) holds rows 4*t + 2*d .. 4*t + 2*d + 2
+        dt = distribute_tensor(w, mesh, [_StridedShard(0, split_factor=2), Shard(0)])
+    """
+
+    split_factor: int = 1
+    _applied_last: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.split_factor, int) or isinstance(self.split_factor, bool) or self.split_factor < 1:
+            raise ValueError(f"_StridedShard: split_factor: expected a positive int, got {self.split_factor!r}")
+
+    def __repr__(self) -> str:
+        return f"_S({self.dim},{self.split_factor})"
+
+    __str__ = __repr__
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

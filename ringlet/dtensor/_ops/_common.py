@@ -13,6 +13,7 @@ same dim nest (chunk of a chunk) identically in every operand.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from numbers import Number
@@ -70,7 +71,7 @@ def broadcast_req(out_pl: Placement, shape: Sequence[int], out_shape: Sequence[i
     if isinstance(out_pl, Shard):
         d = out_pl.dim - (len(out_shape) - len(shape))
         if d >= 0 and shape[d] == out_shape[out_pl.dim]:
-            return Shard(d)
+            return dataclasses.replace(out_pl, dim=d)   # keeps a _StridedShard strided
         return R
     return out_pl
 
@@ -160,7 +161,7 @@ def _target(operands: Sequence[Operand], axis: int, nd: int, out_shape: Sequence
         p = pls[axis]
         if isinstance(p, Partial) and not _passes(p, kind, inplace, first_partial_only):
             return R      # the op cannot keep a Partial; dispatch refuses to move a written operand
-        return Shard(p.dim + nd - len(shape)) if isinstance(p, Shard) else p
+        return dataclasses.replace(p, dim=p.dim + nd - len(shape)) if isinstance(p, Shard) else p
     partial: Placement | None = None
     for k, (pls, shape) in enumerate(operands):
         if pls is None:
@@ -169,7 +170,7 @@ def _target(operands: Sequence[Operand], axis: int, nd: int, out_shape: Sequence
         if isinstance(p, Shard):
             od = p.dim + nd - len(shape)
             if shape[p.dim] == out_shape[od]:
-                return Shard(od)
+                return dataclasses.replace(p, dim=od)
         elif isinstance(p, Partial) and partial is None and _passes(p, kind, k, first_partial_only):
             partial = p
     if partial is not None and kind in ("add",) and any(
