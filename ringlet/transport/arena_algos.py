@@ -154,9 +154,11 @@ class ArenaTransport(Transport):
 
     def _reduce(self, buf: torch.Tensor, red: Reduction, root: int | None, ctx: OpContext,
                 ranks: Ranks) -> None:
-        if self._alone(ctx, ranks):
+        # the prologue (``_alone``), inlined for the common case: this is the latency path
+        if (ranks is not None or self.world_size == 1) and self._alone(ctx, ranks):
             red.contribute(buf, buf)
             return
+        self.q[self._entered_i] = ctx.seq
         k = buf.numel()
         nbytes = k * buf.element_size()
         if nbytes <= FAST_BYTES and red.ufunc is not None and self._fast_ok:
@@ -175,9 +177,7 @@ class ArenaTransport(Transport):
             red.contribute(piece, a.slot(me, b, dt)[:c])
             self._sync(s, fp, k, ctx)
             if root is None or root == me:
-                parts = [a.slot(r, b, dt)[:c] for r in self._ranks]
-                if own:
-                    parts[me] = piece
+                parts = [piece if own and r == me else a.slot(r, b, dt)[:c] for r in self._ranks]
                 red.fold_(piece, parts)
         self._done(ctx)
 
