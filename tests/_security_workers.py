@@ -192,7 +192,7 @@ def mesh_rank(rank: int, port: int, out: str, flag: str, timeout: float) -> None
     from datetime import timedelta
 
     from ringlet.store import TCPStore
-    from ringlet.transport import _tcp_mesh
+    from ringlet.transport.tcp import mesh as _tcp_mesh
 
     torch.set_num_threads(1)
     if rank == 0:

@@ -25,7 +25,7 @@ from ringlet.c10d import objects
 from ringlet.errors import DistNetworkError, DistStoreError
 from ringlet.store import FileStore, TCPStore
 from ringlet.testing.procs import raise_first, run_world
-from ringlet.transport import _tcp_wire as wire
+from ringlet.transport.tcp import wire
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,15 +13,13 @@ import _tcp_workers
 import _workers
 import pytest
 import torch
-
 from ringlet.errors import DistNetworkError
 from ringlet.testing.procs import raise_first, run_world
-from ringlet.transport import _tcp_wire as wire
 from ringlet.transport.arena import SPIN_ITERS, Arena, ArenaLayout, usable_cpus
 from ringlet.transport.hierarchical import HostPlan, plan_hosts, same_kernel
 from ringlet.transport.reduce import RedOpType, reduction
 from ringlet.transport.select import parse_backend as _parse_backend
-from ringlet.transport.tcp import choose_address
+from ringlet.transport.tcp import choose_address, wire
 from ringlet.transport.tcp.algos import Algorithms, order_free, split_blocks
 
 T = 2.0

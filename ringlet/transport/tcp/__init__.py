@@ -2,7 +2,7 @@
 
 The parts, in the order bytes meet them (see ``transport.py`` for how they fit together):
 
-- ``_tcp_wire`` / ``_tcp_mesh`` (one level up): frame headers and the handshake
+- ``wire`` / ``mesh``: frame headers and the handshake
   ([Note: tcp frames], [Note: tcp handshake]); making the connections;
 - ``inbox``: the receiving side -- one reader at a time, every frame routed to its owner
   ([Note: tcp routing]); ``frames``: what it tracks per frame and stream;

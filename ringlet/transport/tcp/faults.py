@@ -13,9 +13,9 @@ from ringlet.errors import (
     GroupAbortedError,
     PeerFailureError,
 )
-from ringlet.transport._tcp_mesh import Peer
 from ringlet.transport.base import OpContext
 from ringlet.transport.tcp.inbox import Inbox
+from ringlet.transport.tcp.mesh import Peer
 from ringlet.transport.tcp.outbox import Outbox
 
 __all__ = ["local_trouble", "peer_lost", "peer_trouble"]

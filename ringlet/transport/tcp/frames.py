@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from ringlet.transport._tcp_wire import HEADER, MAX_REASON
+from ringlet.transport.tcp.wire import HEADER, MAX_REASON
 
 __all__ = ["HSIZE", "Early", "Inbound", "Router", "Want", "drain", "pipe", "poke", "read_reason",
            "read_stream"]

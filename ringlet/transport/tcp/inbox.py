@@ -36,8 +36,6 @@ import threading
 import time
 from collections.abc import Iterable
 
-from ringlet.transport._tcp_mesh import Peer
-from ringlet.transport._tcp_wire import ABORT, BYE, DATA, FRAME_MAGIC, parse_header
 from ringlet.transport.tcp.frames import (
     Early,
     Inbound,
@@ -48,6 +46,8 @@ from ringlet.transport.tcp.frames import (
     read_reason,
     read_stream,
 )
+from ringlet.transport.tcp.mesh import Peer
+from ringlet.transport.tcp.wire import ABORT, BYE, DATA, FRAME_MAGIC, parse_header
 
 __all__ = ["Inbox"]
 

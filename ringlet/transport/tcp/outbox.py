@@ -17,8 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from ringlet.transport._tcp_mesh import Peer
-from ringlet.transport._tcp_wire import ABORT, BYE, MAX_REASON, header
+from ringlet.transport.tcp.mesh import Peer
+from ringlet.transport.tcp.wire import ABORT, BYE, MAX_REASON, header
 
 __all__ = ["Outbox"]
 

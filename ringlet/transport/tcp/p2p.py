@@ -20,14 +20,14 @@ from ringlet.errors import (
     DistBackendError,
     GroupAbortedError,
 )
-from ringlet.transport._tcp_mesh import Peer
-from ringlet.transport._tcp_wire import HEADER, P2P, header, parse_header
 from ringlet.transport.base import OpContext
 from ringlet.transport.tcp.faults import local_trouble, peer_lost, peer_trouble
 from ringlet.transport.tcp.frames import Want
 from ringlet.transport.tcp.inbox import Inbox
+from ringlet.transport.tcp.mesh import Peer
 from ringlet.transport.tcp.outbox import Outbox
 from ringlet.transport.tcp.pump import mv
+from ringlet.transport.tcp.wire import HEADER, P2P, header, parse_header
 
 __all__ = ["Messages"]
 

@@ -32,13 +32,13 @@ from ringlet.errors import (
     CollectiveTimeoutError,
     DistBackendError,
 )
-from ringlet.transport._tcp_mesh import Peer
-from ringlet.transport._tcp_wire import DATA, FRAME_MAGIC, HEADER, parse_header
 from ringlet.transport.base import OpContext, describe_fingerprint
 from ringlet.transport.tcp.faults import local_trouble, peer_lost, peer_trouble
 from ringlet.transport.tcp.frames import Want
 from ringlet.transport.tcp.inbox import Inbox
+from ringlet.transport.tcp.mesh import Peer
 from ringlet.transport.tcp.outbox import Outbox
+from ringlet.transport.tcp.wire import DATA, FRAME_MAGIC, HEADER, parse_header
 
 __all__ = ["Pump", "mv"]
 

@@ -1,6 +1,6 @@
 """The ``tcp`` transport object: its parts side by side, each behind its own interface.
 
-- the connections, made once by ``_tcp_mesh.build_mesh`` (listen, publish, connect, handshake:
+- the connections, made once by ``mesh.build_mesh`` (listen, publish, connect, handshake:
   [Note: tcp handshake]) and then used through :class:`~.inbox.Inbox` (the receiving side and its
   reader thread: [Note: tcp routing]) and :class:`~.outbox.Outbox` (send locks, ABORT and BYE);
 - :class:`~.pump.Pump`: one collective's frames, non-blocking, bounded by its deadline;
@@ -30,15 +30,15 @@ import torch
 
 from ringlet import _env
 from ringlet.errors import DistBackendError
-from ringlet.transport._tcp_mesh import Peer, build_mesh
-from ringlet.transport._tcp_wire import interface_address, route_source
 from ringlet.transport.base import OpContext, Ranks, ReduceArg, Transport
 from ringlet.transport.reduce import reduction
 from ringlet.transport.tcp.algos import Algorithms
 from ringlet.transport.tcp.inbox import Inbox
+from ringlet.transport.tcp.mesh import Peer, build_mesh
 from ringlet.transport.tcp.outbox import Outbox
 from ringlet.transport.tcp.p2p import Messages
 from ringlet.transport.tcp.pump import Pump
+from ringlet.transport.tcp.wire import interface_address, route_source
 
 __all__ = ["TcpTransport", "choose_address"]
 

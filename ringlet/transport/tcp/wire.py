@@ -31,7 +31,7 @@ without one, the store's host secret ([Note: host secret] in ``ringlet.store._se
 and the group id, which only the store's authenticated clients can read.  Fixed-size
 hellos: nothing an unauthenticated peer sends makes anyone allocate.  The acceptor
 handshakes every connection at once on non-blocking sockets, each with its own
-deadline, so idle or garbage connections never delay a rank (``_tcp_mesh._Acceptor``).
+deadline, so idle or garbage connections never delay a rank (``mesh._Acceptor``).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def accept_handshake(sock: socket.socket, me: int, token: bytes | None, group_id
                      expected: dict[tuple[int, int], str], deadline: float) -> tuple[int, int]:
     """Acceptor's half on a blocking socket; returns (peer rank, channel) or raises
     ``DistNetworkError`` (refused).  The mesh itself runs the same steps on non-blocking sockets,
-    many at once (``_tcp_mesh``)."""
+    many at once (``mesh``)."""
     peer_ip = sock.getpeername()[0]
     hello, nonce = accept_hello(me)
     sock.settimeout(max(deadline - time.monotonic(), 0.01))

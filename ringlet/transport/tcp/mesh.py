@@ -4,7 +4,7 @@ Every rank listens on port 0 of its address, publishes ``host:port`` (and pid,
 hostname) under ``tcp/addr/<rank>`` in the group's store, then connects to every
 lower rank and accepts every higher one: one connection per pair of ranks, which
 carries collectives and point-to-point messages alike ([Note: tcp routing] in
-``_tcp_link``).  See [Note: tcp handshake] in ``_tcp_wire``.  The
+``inbox``).  See [Note: tcp handshake] in ``wire``.  The
 listener is closed as soon as the mesh is complete: nothing stays open to
 strangers.  The order (connect down, then accept up) cannot deadlock: rank 0
 accepts at once, and every rank's connects only need lower ranks, which accept
@@ -28,7 +28,7 @@ from typing import Any
 from ringlet.errors import DistNetworkError, DistStoreError
 from ringlet.store._protocol import ConnectionLost
 from ringlet.store.tcp import effective_token
-from ringlet.transport._tcp_wire import (
+from ringlet.transport.tcp.wire import (
     CONNECT_HELLO,
     HS_OK,
     accept_hello,
