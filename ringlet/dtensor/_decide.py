@@ -104,8 +104,8 @@ def _check_strided(call: OpCall, plan: Plan) -> None:
     Elementwise rules keep the strided placement; other ops on such tensors must redistribute.
     """
     axes = {a for req in plan.inputs for a, p in enumerate(req) if isinstance(p, Shard) and p._applied_last}
-    if not axes or plan.outputs is None:
-        return
+    if not axes or plan.outputs is None or call.name.startswith("_foreach_"):
+        return          # _foreach_ ops are elementwise per list element: their planner keeps the layout
     outs = plan.outputs if isinstance(plan.outputs, list) else [plan.outputs]
     for pls in outs:
         for a in axes:

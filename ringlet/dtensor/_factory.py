@@ -58,8 +58,12 @@ def _build(op: str, size: tuple[int, ...], make: Callable[[list[int]], torch.Ten
     return DTensor(local, spec, requires_grad=requires_grad)
 
 
-def _device(mesh: DeviceMesh | None) -> str:
-    return (mesh if mesh is not None else default_mesh()).device_type
+def _make(op: str, fn: Callable[..., torch.Tensor], size: Sequence[Any], whole: bool, dtype: torch.dtype | None,
+          layout: torch.layout, requires_grad: bool, device_mesh: DeviceMesh | None,
+          placements: Sequence[Placement] | None, *fill: Any) -> DTensor:
+    dev = (device_mesh if device_mesh is not None else default_mesh()).device_type
+    return _build(op, _size(size, op), lambda s: fn(s, *fill, dtype=dtype, device=dev), whole, device_mesh,
+                  placements, requires_grad, layout)
 
 
 def ones(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
@@ -80,37 +84,29 @@ def ones(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = to
 
         w = ones(8, 4, device_mesh=mesh, placements=[Shard(0)])     # 2 ranks: local [4, 4]
     """
-    dev = _device(device_mesh)
-    return _build("ones", _size(size, "ones"), lambda s: torch.ones(s, dtype=dtype, device=dev), False,
-                  device_mesh, placements, requires_grad, layout)
+    return _make("ones", torch.ones, size, False, dtype, layout, requires_grad, device_mesh, placements)
 
 
 def zeros(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = None,
           layout: torch.layout = torch.strided, device_mesh: DeviceMesh | None = None,
           placements: Sequence[Placement] | None = None) -> DTensor:
     """A DTensor of zeros (arguments as :func:`ones`)."""
-    dev = _device(device_mesh)
-    return _build("zeros", _size(size, "zeros"), lambda s: torch.zeros(s, dtype=dtype, device=dev), False,
-                  device_mesh, placements, requires_grad, layout)
+    return _make("zeros", torch.zeros, size, False, dtype, layout, requires_grad, device_mesh, placements)
 
 
 def empty(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
           requires_grad: bool = False, device_mesh: DeviceMesh | None = None,
           placements: Sequence[Placement] | None = None) -> DTensor:
     """An uninitialized DTensor (arguments as :func:`ones`)."""
-    dev = _device(device_mesh)
-    return _build("empty", _size(size, "empty"), lambda s: torch.empty(s, dtype=dtype, device=dev), False,
-                  device_mesh, placements, requires_grad, layout)
+    return _make("empty", torch.empty, size, False, dtype, layout, requires_grad, device_mesh, placements)
 
 
 def full(size: Sequence[int], fill_value: Any, *, dtype: torch.dtype | None = None,
          layout: torch.layout = torch.strided, requires_grad: bool = False,
          device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None) -> DTensor:
     """A DTensor filled with ``fill_value`` (``size`` is one sequence, as in ``torch.full``)."""
-    dev = _device(device_mesh)
-    return _build("full", _size((size,), "full"),
-                  lambda s: torch.full(s, fill_value, dtype=dtype, device=dev), False,
-                  device_mesh, placements, requires_grad, layout)
+    return _make("full", torch.full, (size,), False, dtype, layout, requires_grad, device_mesh, placements,
+                 fill_value)
 
 
 def rand(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = None,
@@ -118,9 +114,7 @@ def rand(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = No
          placements: Sequence[Placement] | None = None) -> DTensor:
     """Uniform ``[0, 1)`` values, the same global tensor as ``torch.rand(size)`` would draw now
     (see the module docstring); arguments as :func:`ones`."""
-    dev = _device(device_mesh)
-    return _build("rand", _size(size, "rand"), lambda s: torch.rand(s, dtype=dtype, device=dev), True,
-                  device_mesh, placements, requires_grad, layout)
+    return _make("rand", torch.rand, size, True, dtype, layout, requires_grad, device_mesh, placements)
 
 
 def randn(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = None,
@@ -128,6 +122,4 @@ def randn(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = N
           placements: Sequence[Placement] | None = None) -> DTensor:
     """Standard normal values, the same global tensor as ``torch.randn(size)`` would draw now
     (see the module docstring); arguments as :func:`ones`."""
-    dev = _device(device_mesh)
-    return _build("randn", _size(size, "randn"), lambda s: torch.randn(s, dtype=dtype, device=dev), True,
-                  device_mesh, placements, requires_grad, layout)
+    return _make("randn", torch.randn, size, True, dtype, layout, requires_grad, device_mesh, placements)

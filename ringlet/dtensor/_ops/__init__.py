@@ -6,7 +6,15 @@ from typing import Any
 
 import torch
 
-from ringlet.dtensor._ops import embedding, matrix, pointwise, reduction, tensor_ops, view  # noqa: F401
+from ringlet.dtensor._ops import (  # noqa: F401
+    attention,
+    embedding,
+    matrix,
+    pointwise,
+    reduction,
+    tensor_ops,
+    view,
+)
 
 __all__ = ["family_rule"]
 

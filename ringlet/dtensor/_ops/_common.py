@@ -81,7 +81,8 @@ def linearity(call: OpCall) -> str:
 
     ``copy``: any Partial (clone, casts, zero_); ``unary``: a sum/avg Partial (neg, x * 2.0);
     ``add``: every tensor operand shares one sum/avg Partial (add, sub, lerp);
-    ``mul``: one sum/avg Partial operand, the others Replicate (mul; div's numerator);
+    ``mul``: one sum/avg Partial operand, the others Replicate (mul; div's numerator;
+    ``masked_fill`` with 0);
     ``none``: Partial operands are reduced first.
     """
     name = call.name.removeprefix("_foreach_")
@@ -96,7 +97,14 @@ def linearity(call: OpCall) -> str:
         return "none" if constants or any(_plain_scalar(x) for x in call.args) else "add"
     if name in ("mul", "div"):
         return "mul"
+    if name == "masked_fill" and _is_zero(call.bound().get("value")):
+        return "mul"          # zeroing entries of every partial keeps their sum: a product with 0/1
     return "none"
+
+
+def _is_zero(v: Any) -> bool:
+    # A Python number only: it is part of the dispatch cache key, a tensor's value is not.
+    return isinstance(v, int | float) and not isinstance(v, bool) and v == 0
 
 
 _COPY = {"clone", "detach", "alias", "_to_copy", "copy", "zero", "lift_fresh", "contiguous"}

@@ -261,3 +261,20 @@ def index_select_rule(call: OpCall) -> Plan:
     req, out = _moved(call, lambda d: d, {dim})
     rep = (R,) * call.mesh.ndim
     return Plan([req] + [rep] * (len(call.dts) - 1), out)
+
+
+@register(aten.view_as_complex.default)
+def view_as_complex_rule(call: OpCall) -> Plan:
+    """``[..., 2]`` reals -> ``[...]`` complex: shards of the other dims stay (the pair dim is never split)."""
+    x = call.dts[0]
+    last = x.dim() - 1
+    req, out = _moved(call, lambda d: d, {last})
+    return Plan([req], out, shapes=tuple(x.shape[:-1]))
+
+
+@register(aten.view_as_real.default)
+def view_as_real_rule(call: OpCall) -> Plan:
+    """``[...]`` complex -> ``[..., 2]`` reals: shards stay."""
+    x = call.dts[0]
+    req, out = _moved(call, lambda d: d)
+    return Plan([req], out, shapes=tuple(x.shape) + (2,))

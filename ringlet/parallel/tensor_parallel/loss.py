@@ -31,6 +31,7 @@ from ringlet.dtensor import DTensor, Partial, Replicate, Shard
 from ringlet.dtensor._decide import decide
 from ringlet.dtensor._plan import OVERRIDES
 from ringlet.dtensor._redistribute import redistribute_local
+from ringlet.dtensor.experimental import implicit_replication
 
 __all__ = ["loss_parallel"]
 
@@ -45,7 +46,8 @@ def loss_parallel() -> Iterator[None]:
     Use it around the loss and its backward; the logits must be a DTensor sharded on the
     class dim (dim 1, or 0 for a single sample), e.g. the output of a
     ``ColwiseParallel(use_local_output=False)`` head flattened to ``[N, vocab]``.  The
-    target may be a plain tensor (the same on every rank).  Forward costs three
+    target and class weights may be plain tensors, the same on every rank: inside the
+    context plain tensors mixed with DTensors count as ``Replicate`` (``implicit_replication``).  Forward costs three
     all-reduces of one value per row, backward none ([Note: parallel cross-entropy]).
 
     Example::
@@ -56,7 +58,10 @@ def loss_parallel() -> Iterator[None]:
     """
     token = OVERRIDES.set({**(OVERRIDES.get() or {}), **_HANDLERS})
     try:
-        yield
+        # targets, class weights and the masks cross_entropy derives from them are plain tensors,
+        # the same on every rank: Replicate (what label smoothing's extra ops need)
+        with implicit_replication():
+            yield
     finally:
         OVERRIDES.reset(token)
 

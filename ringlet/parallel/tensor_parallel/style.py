@@ -60,12 +60,51 @@ def _module_kind(module: nn.Module, style: str) -> str:
                               f"{type(module).__name__}")
 
 
-def _layouts_repr(style: Any) -> str:
-    return (f"{type(style).__name__}(input_layouts={style.input_layouts[0]!r}, "
-            f"output_layouts={style.output_layouts[0]!r}, use_local_output={style.use_local_output})")
+def _plain_shape(x: Any, given: Placement, width: int | None) -> tuple[int, ...] | None:
+    """Global shape of a plain input that is this rank's piece of its last dim (``width`` wide)."""
+    if width is None or isinstance(x, DTensor) or not isinstance(given, Shard) or x.dim() == 0:
+        return None
+    return (*x.shape[:-1], width) if given.dim % x.dim() == x.dim() - 1 else None
 
 
-class ColwiseParallel(ParallelStyle):
+class _ShardedLayer(ParallelStyle):
+    """What column- and row-wise sharding share: an ``nn.Linear``/``nn.Embedding`` whose input is
+    laid out ``desired_input_layouts`` and whose output becomes ``output_layouts``."""
+
+    input_layouts: tuple[Placement, ...]
+    output_layouts: tuple[Placement, ...]
+    desired_input_layouts: tuple[Placement, ...]
+    use_local_output: bool
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        raise NotImplementedError
+
+    def _runtime_input(self, kind: str) -> Placement:
+        raise NotImplementedError
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        style = type(self).__name__
+        self.desired_input_layouts = (self._runtime_input(_module_kind(module, style)),)
+        given, desired = self.input_layouts[0], self.desired_input_layouts[0]
+        out_layout, use_local = self.output_layouts[0], self.use_local_output
+        # A row-wise linear knows its input's global width: uneven splits of it still fit.
+        width = module.in_features if isinstance(module, nn.Linear) and isinstance(desired, Shard) else None
+
+        def prepare_input(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+            x = _first_input(inputs, style)
+            return (as_layout(x, mesh, given, desired, _plain_shape(x, given, width)), *inputs[1:])
+
+        def prepare_output(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+            return to_output(out, mesh, out_layout, use_local)
+
+        return distribute_module(module, device_mesh, self._partition, prepare_input, prepare_output)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(input_layouts={self.input_layouts[0]!r}, "
+                f"output_layouts={self.output_layouts[0]!r}, use_local_output={self.use_local_output})")
+
+
+class ColwiseParallel(_ShardedLayer):
     """Shard an ``nn.Linear`` by output features (or an ``nn.Embedding`` by embedding dims).
 
     Args:
@@ -84,8 +123,11 @@ class ColwiseParallel(ParallelStyle):
         super().__init__()
         self.input_layouts = (input_layouts or Replicate(),)
         self.output_layouts = (output_layouts or Shard(-1),)
-        self.desired_input_layouts: tuple[Placement, ...] = (Replicate(),)
+        self.desired_input_layouts = (Replicate(),)
         self.use_local_output = use_local_output
+
+    def _runtime_input(self, kind: str) -> Placement:
+        return Replicate()
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if name:
@@ -94,25 +136,8 @@ class ColwiseParallel(ParallelStyle):
         for pname in list(module._parameters):
             distribute_param(module, pname, mesh, placement, self.src_data_rank)
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _module_kind(module, "ColwiseParallel")
-        given, desired = self.input_layouts[0], self.desired_input_layouts[0]
-        out_layout, use_local = self.output_layouts[0], self.use_local_output
 
-        def prepare_input(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-            x = as_layout(_first_input(inputs, "ColwiseParallel"), mesh, given, desired)
-            return (x, *inputs[1:])
-
-        def prepare_output(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
-            return to_output(out, mesh, out_layout, use_local)
-
-        return distribute_module(module, device_mesh, self._partition, prepare_input, prepare_output)
-
-    def __repr__(self) -> str:
-        return _layouts_repr(self)
-
-
-class RowwiseParallel(ParallelStyle):
+class RowwiseParallel(_ShardedLayer):
     """Shard an ``nn.Linear`` by input features (or an ``nn.Embedding`` by vocabulary rows).
 
     Args:
@@ -130,6 +155,9 @@ class RowwiseParallel(ParallelStyle):
         self.output_layouts = (output_layouts or Replicate(),)
         self.use_local_output = use_local_output
 
+    def _runtime_input(self, kind: str) -> Placement:
+        return Shard(-1) if kind == "linear" else Replicate()
+
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if name:
             return
@@ -138,29 +166,6 @@ class RowwiseParallel(ParallelStyle):
             distribute_param(module, "bias", mesh, Replicate(), self.src_data_rank)
         else:
             distribute_param(module, "weight", mesh, Shard(0), self.src_data_rank)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        kind = _module_kind(module, "RowwiseParallel")
-        desired: Placement = Shard(-1) if kind == "linear" else Replicate()
-        self.desired_input_layouts: tuple[Placement, ...] = (desired,)
-        given, out_layout, use_local = self.input_layouts[0], self.output_layouts[0], self.use_local_output
-        width = module.in_features if isinstance(module, nn.Linear) else None
-
-        def prepare_input(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-            x = _first_input(inputs, "RowwiseParallel")
-            shape = None
-            if width is not None and not isinstance(x, DTensor) and isinstance(given, Shard) and \
-                    x.dim() > 0 and given.dim % x.dim() == x.dim() - 1:
-                shape = (*x.shape[:-1], width)       # uneven splits of the features still fit
-            return (as_layout(x, mesh, given, desired, shape), *inputs[1:])
-
-        def prepare_output(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
-            return to_output(out, mesh, out_layout, use_local)
-
-        return distribute_module(module, device_mesh, self._partition, prepare_input, prepare_output)
-
-    def __repr__(self) -> str:
-        return _layouts_repr(self)
 
 
 class SequenceParallel(ParallelStyle):
