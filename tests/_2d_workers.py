@@ -66,15 +66,24 @@ def data(step: int, rows: int, dims: tuple[int, int, int] = (6, 8, 4)) -> tuple[
     return x, y
 
 
-def reference(steps: int, rows: int, lr: float = 0.05) -> dict[str, torch.Tensor]:
-    model = make_ref()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+def reference(steps: int, rows: int, lr: float = 0.05, dims: tuple[int, int, int] = (6, 8, 4),
+              adamw: bool = False) -> dict[str, torch.Tensor]:
+    model = make_ref(dims=dims)
+    opt = make_opt(model.parameters(), adamw)
     for step in range(steps):
-        x, y = data(step, rows)
+        x, y = data(step, rows, dims)
         F.mse_loss(model(x), y).backward()
+        if adamw:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def make_opt(params: Any, adamw: bool) -> torch.optim.Optimizer:
+    if adamw:
+        return torch.optim.AdamW(params, lr=0.05, eps=1e-4, foreach=True)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
 def full_state(sd: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
@@ -151,3 +160,80 @@ def ddp_overlap_refused(rank: int, world: int) -> str:
     except ValueError as e:
         return str(e)
     return ""
+
+
+# ---------------------------------------------------------------- fully_shard over "dp" (FSDP + TP)
+
+
+def fsdp_tp_train(rank: int, world: int, variant: str, steps: int = 3, rows: int = 4) -> dict[str, Any]:
+    """fully_shard over the data-parallel axes; ``variant``: fsdp (2x2 (dp, tp)), hsdp (2x1x2
+    (rep, shard, tp)), tp2d (TP params on the 2x2 mesh itself, Replicate on dp), uneven (sizes
+    that split unevenly over dp inside a tp chunk)."""
+    from ringlet.distributed.fsdp import fully_shard
+
+    dims = (6, 10, 3) if variant == "uneven" else (6, 8, 4)
+    if variant == "hsdp":
+        root = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rep", "shard", "tp"))
+        dp_mesh, tp_mesh, dp = root["rep", "shard"], root["tp"], root.get_local_rank("rep")
+    else:
+        root = mesh_2d(2, 2)
+        dp_mesh, dp = root["dp"], root.get_local_rank("dp")
+        tp_mesh = root if variant == "tp2d" else root["tp"]
+    model = tensor_parallel(make_ref(dims=dims), tp_mesh, tp_mesh.ndim - 1)
+    fully_shard(model.fc1, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    out: dict[str, Any] = {"placements": {n: "".join(map(repr, p.placements)) for n, p in model.named_parameters()},
+                           "meshes": sorted({p.device_mesh.mesh_dim_names for p in model.parameters()})}
+    opt = make_opt(model.parameters(), adamw=True)
+    dp_pg, tp_pg = dp_mesh.get_group(dp_mesh.ndim - 1), tp_mesh.get_group(tp_mesh.ndim - 1)
+    for step in range(steps):
+        dp_pg.reset_counts()
+        tp_pg.reset_counts()
+        x, y = data(step, rows * 2, dims)
+        mine = slice(dp * rows, (dp + 1) * rows)
+        F.mse_loss(model(x[mine]), y[mine]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    out["dp_counts"], out["tp_counts"] = dp_pg.counts(), tp_pg.counts()
+    sd = model.state_dict()
+    out["sd_types"] = sorted({type(v).__name__ for v in sd.values()})
+    out["diff"] = max_diff(full_state(sd), reference(steps, rows * 2, dims=dims, adamw=True))
+    out["round_trip"] = _fsdp_reload(sd, tp_mesh, dp_mesh, dims)
+    return out
+
+
+def _fsdp_reload(sd: dict[str, Any], tp_mesh: Any, dp_mesh: Any, dims: tuple[int, int, int]
+                 ) -> tuple[float, float, float]:
+    """Load the 2-d DTensor state dict, the full tensors, and (assign=True) the DTensors again."""
+    from ringlet.distributed.fsdp import fully_shard
+
+    want = full_state(sd)
+    diffs = []
+    for source, assign in ((sd, False), (want, False), (sd, True)):
+        fresh = tensor_parallel(make_ref(seed=1, dims=dims), tp_mesh, tp_mesh.ndim - 1)
+        fully_shard(fresh.fc1, mesh=dp_mesh)
+        fully_shard(fresh, mesh=dp_mesh)
+        fresh.load_state_dict(copy.copy(source), assign=assign)
+        x, _ = data(0, 2, dims)
+        fresh(x).sum().backward()                                  # still trains after loading
+        diffs.append(max_diff(full_state(fresh.state_dict()), want))
+    return diffs[0], diffs[1], diffs[2]
+
+
+def fsdp_tp_refusals(rank: int, world: int) -> list[str]:
+    """fully_shard over the axis the DTensor is sharded on, and over a mesh without axis names."""
+    from ringlet.distributed.device_mesh import DeviceMesh
+    from ringlet.distributed.fsdp import fully_shard
+
+    root = mesh_2d(2, 2)
+    msgs = []
+    unnamed = DeviceMesh("cpu", [[0, 1], [2, 3]])
+    for mesh, fsdp_mesh in ((root["tp"], root["tp"]), (unnamed, root["dp"])):
+        model = tensor_parallel(make_ref(), mesh, mesh.ndim - 1)
+        try:
+            fully_shard(model, mesh=fsdp_mesh)
+            msgs.append("no error")
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs

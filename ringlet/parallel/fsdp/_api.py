@@ -69,8 +69,13 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         ValueError: ``module`` was already passed to fully_shard, scalar parameters, mixed dtypes
             in one group, or a bad ``reshard_after_forward``.
         TypeError: arguments of the wrong type.
-        NotImplementedError: a list of modules, parameters that are already DTensors, or an int
-            ``reshard_after_forward`` strictly between 1 and the shard world size.
+        NotImplementedError: a list of modules, or an int ``reshard_after_forward`` strictly
+            between 1 and the shard world size.
+
+    Tensor parallelism: parameters that are already DTensors (on a mesh sliced from the same
+    root as ``mesh``, e.g. ``mesh["tp"]`` while ``mesh`` is ``root["dp"]``) are sharded as their
+    local tensors and become DTensors on the combined mesh, data-parallel placements first
+    (``_tp.py``); the all-gathers run on ``mesh`` only.
 
     Example::
 

@@ -13,6 +13,7 @@ from ringlet.parallel.fsdp._mesh_info import MeshInfo
 from ringlet.parallel.fsdp._param import FSDPParam
 from ringlet.parallel.fsdp._param_group import FSDPParamGroup
 from ringlet.parallel.fsdp._shard_math import plan_group, shard_of
+from ringlet.parallel.fsdp._tp import TPLayout, tp_layout
 from ringlet.parallel.fsdp.policies import MixedPrecisionPolicy
 
 __all__ = ["build_group", "collect_params", "normalize_reshard_after_forward"]
@@ -71,19 +72,19 @@ def build_group(module: nn.Module, mesh_info: MeshInfo, mp_policy: MixedPrecisio
                 ignored: set[nn.Parameter]) -> FSDPParamGroup | None:
     """Shard ``module``'s (remaining) parameters into one group; None if it has none.
 
+    A parameter that is already a DTensor (tensor parallelism) is sharded as its local tensor
+    and becomes a DTensor on the combined data x tensor parallel mesh (``_tp.py``).
+
     Raises:
         ValueError: scalar parameters, parameters of different dtypes or devices in one group,
-            or an uneven split on a non-zero shard dim.
-        NotImplementedError: parameters that are already DTensors (e.g. tensor parallel).
+            an uneven split on a non-zero shard dim, or a DTensor parameter whose mesh does not
+            combine with fully_shard's.
     """
     entries = collect_params(module, ignored)
     if not entries:
         return None
     name = type(module).__name__
     for p, _, fqns in entries:
-        if isinstance(p, DTensor):
-            raise NotImplementedError(f"fully_shard({name}): {fqns[0]} is already a DTensor; composing with "
-                                      f"tensor parallelism is not implemented in ringlet's fully_shard")
         if p.dim() == 0:
             raise ValueError(f"fully_shard({name}): {fqns[0]}: expected a parameter with at least 1 dim, got a "
                              f"scalar; make it a 1-d tensor of 1 element")
@@ -96,19 +97,27 @@ def build_group(module: nn.Module, mesh_info: MeshInfo, mp_policy: MixedPrecisio
     if devices - {"cpu", "meta"}:
         raise ValueError(f"fully_shard({name}): expected parameters on 'cpu' or 'meta', got {devices.pop()!r}")
     dims = [_shard_dim(shard_placement_fn, p, fqns[0]) for p, _, fqns in entries]
-    layout = plan_group([p.shape for p, _, _ in entries], dims, mesh_info.shard_size)
-    p0 = entries[0][0]
+    tps = [_tp_of(p, mesh_info, d, f"{name}.{fqns[0]}") for (p, _, fqns), d in zip(entries, dims)]
+    locals_ = [p._local_tensor if isinstance(p, DTensor) else p for p, _, _ in entries]
+    layout = plan_group([t.shape for t in locals_], dims, mesh_info.shard_size)
+    p0 = locals_[0]
     shard_buffer = torch.zeros(layout.shard_numel, dtype=p0.dtype, device=p0.device)
     params = []
     with torch.no_grad():
-        for i, ((p, owners, fqns), spec) in enumerate(zip(entries, layout.specs)):
-            fp = FSDPParam(i, spec, owners, fqns, p.requires_grad, mesh_info)
+        for i, ((p, owners, fqns), spec, local, tp) in enumerate(zip(entries, layout.specs, locals_, tps)):
+            fp = FSDPParam(i, spec, owners, fqns, p.requires_grad, mesh_info, tp)
             if p.device.type != "meta":
-                fp.local_view(shard_buffer).copy_(shard_of(p.detach(), spec, mesh_info.shard_rank))
+                fp.local_view(shard_buffer).copy_(shard_of(local.detach(), spec, mesh_info.shard_rank))
             fp.bind_sharded(shard_buffer)
             fp.register(fp.sharded_param)
             params.append(fp)
     return FSDPParamGroup(module, params, layout, shard_buffer, mesh_info, mp_policy)
+
+
+def _tp_of(p: nn.Parameter, mesh_info: MeshInfo, dim: int, fqn: str) -> TPLayout | None:
+    if not isinstance(p, DTensor):
+        return None
+    return tp_layout(p, mesh_info.mesh, mesh_info.placements(dim), dim, fqn)
 
 
 def normalize_reshard_after_forward(value: Any, shard_size: int, where: str) -> bool | None:

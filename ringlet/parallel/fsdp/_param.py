@@ -7,7 +7,8 @@ this file only knows how to build, swap and reconcile one parameter's tensors.
 The sharded parameter is ``nn.Parameter(DTensor)`` whose local tensor is a *view into the
 group's shard buffer* (the unpadded part of this parameter's slot), so the optimizer's
 in-place updates land where the next all-gather reads them, with no copy-in.  The
-unsharded parameter is an ``nn.Parameter`` view into the group's unsharded buffer; the
+unsharded parameter is an ``nn.Parameter`` view into the group's unsharded buffer (for a
+tensor-parallel parameter, a TP DTensor whose local tensor is that view, ``_tp.py``); the
 group frees that buffer by resizing its storage to 0 and refills it in place (through an
 alias with its own version counter, ``buffer.data``), so tensors autograd saved in forward
 see valid data again in backward and their version checks still pass.
@@ -25,6 +26,7 @@ from ringlet.dtensor import DTensor
 from ringlet.dtensor._api import make_dtensor
 from ringlet.parallel.fsdp._mesh_info import MeshInfo
 from ringlet.parallel.fsdp._shard_math import ParamSpec, shard_of
+from ringlet.parallel.fsdp._tp import TPLayout
 
 __all__ = ["FSDPParam"]
 
@@ -33,13 +35,14 @@ class FSDPParam:
     """One parameter of a group; ``index`` is its position in the group's layout."""
 
     def __init__(self, index: int, spec: ParamSpec, owners: list[tuple[nn.Module, str]], fqns: list[str],
-                 requires_grad: bool, mesh_info: MeshInfo) -> None:
+                 requires_grad: bool, mesh_info: MeshInfo, tp: TPLayout | None = None) -> None:
         self.index = index
         self.spec = spec
         self.owners = owners                    # every (module, attribute) the parameter is registered as
         self.fqns = fqns                        # names relative to the fully_shard module (state dicts)
         self.requires_grad = requires_grad
         self.mesh_info = mesh_info
+        self.tp = tp                            # set for a tensor-parallel (DTensor) parameter
         self.sharded_param: nn.Parameter = None  # type: ignore[assignment]  # set by bind_sharded
         self.unsharded_param: nn.Parameter | None = None
         # Unsharded gradient kept (in the reduce dtype) while gradient sync is off.
@@ -64,7 +67,7 @@ class FSDPParam:
         new.unsharded_param = None
         up = self.unsharded_param
         if new.accumulated_grad is None and up is not None and up.grad is not None:
-            new.accumulated_grad = copy.deepcopy(up.grad, memo)
+            new.accumulated_grad = copy.deepcopy(self._local_grad(up.grad), memo)
         grad = self.sharded_param.grad
         if grad is not None and new.sharded_param.grad is None:
             new.sharded_param.grad = copy.deepcopy(grad, memo)
@@ -77,17 +80,37 @@ class FSDPParam:
         start = self.spec.shard_offset
         return shard_buffer[start:start + self.spec.local_numel(rank)].view(self.spec.local_shape(rank))
 
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The parameter's shape as the user sees it (a TP parameter's is its DTensor's global shape)."""
+        return self.tp.global_shape if self.tp is not None else self.spec.shape
+
+    @property
+    def dtensor_mesh(self) -> Any:
+        return self.tp.spmd_mesh if self.tp is not None else self.mesh_info.mesh
+
+    @property
+    def dtensor_placements(self) -> tuple[Any, ...]:
+        """Placements of the sharded DTensor (data-parallel ones, then any tensor-parallel ones)."""
+        return self.tp.spmd_placements if self.tp is not None else self.mesh_info.placements(self.spec.dim)
+
+    def _global_stride(self) -> tuple[int, ...]:
+        return self.tp.global_stride if self.tp is not None else self.spec.contiguous_stride()
+
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
-        spec = self.spec
-        return DTensor.from_local(local, self.mesh_info.mesh, self.mesh_info.placements(spec.dim),
-                                  run_check=False, shape=torch.Size(spec.shape),
-                                  stride=spec.contiguous_stride())
+        return DTensor.from_local(local, self.dtensor_mesh, self.dtensor_placements, run_check=False,
+                                  shape=torch.Size(self.global_shape), stride=self._global_stride())
 
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """A sharded gradient (hot path: no autograd node, no placement checks)."""
-        spec = self.spec
-        return make_dtensor(local, self.mesh_info.mesh, self.mesh_info.placements(spec.dim), spec.shape,
-                            spec.contiguous_stride())
+        return make_dtensor(local, self.dtensor_mesh, self.dtensor_placements, self.global_shape,
+                            self._global_stride())
+
+    def shard_of_full(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's (unpadded) shard, a view, of a full tensor of :attr:`global_shape`."""
+        if self.tp is not None:
+            return self.tp.sharded_local_of(full)
+        return shard_of(full, self.spec, self.mesh_info.shard_rank)
 
     def bind_sharded(self, shard_buffer: torch.Tensor) -> None:
         """(Re)create the sharded parameter as a DTensor over this param's slot of ``shard_buffer``."""
@@ -97,7 +120,8 @@ class FSDPParam:
     def bind_unsharded(self, unsharded_buffer: torch.Tensor) -> None:
         start = self.spec.unsharded_offset
         view = unsharded_buffer[start:start + self.spec.numel].view(self.spec.shape)
-        self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
+        data = self.tp.unsharded_dtensor(view) if self.tp is not None else view
+        self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
 
     def register(self, tensor: torch.Tensor) -> None:
         """Set ``tensor`` as this parameter on every owning module (no nn.Module checks: hot path)."""
@@ -116,29 +140,35 @@ class FSDPParam:
             ValueError: the tensor's global shape differs from the managed parameter's.
         """
         local = self.local_view(shard_buffer)
-        if tuple(tensor.shape) != self.spec.shape:
-            raise ValueError(f"fully_shard: {self.fqns[0]}: expected a tensor of shape {list(self.spec.shape)}, "
+        if tuple(tensor.shape) != self.global_shape:
+            raise ValueError(f"fully_shard: {self.fqns[0]}: expected a tensor of shape {list(self.global_shape)}, "
                              f"got {list(tensor.shape)}")
         with torch.no_grad():
             if isinstance(tensor, DTensor):
                 src = tensor.to_local()
                 if tuple(src.shape) != tuple(local.shape):
                     raise ValueError(f"fully_shard: {self.fqns[0]}: expected a local shard of shape "
-                                     f"{list(local.shape)} (Shard({self.spec.dim})), got {list(src.shape)}")
+                                     f"{list(local.shape)} ({''.join(map(repr, self.dtensor_placements))}), "
+                                     f"got {list(src.shape)}")
             else:
-                src = shard_of(tensor, self.spec, self.mesh_info.shard_rank)
+                src = self.shard_of_full(tensor)
             if src.device.type != "meta" and local.device.type != "meta":
                 local.copy_(src)
         self.requires_grad = bool(tensor.requires_grad) if isinstance(tensor, nn.Parameter) else self.requires_grad
         self.bind_sharded(shard_buffer)
 
     # -- gradients -------------------------------------------------------------------------
+    def _local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        return self.tp.tp_local_grad(grad) if self.tp is not None else grad
+
     def take_unsharded_grad(self, reduce_dtype: torch.dtype) -> torch.Tensor | None:
         """The gradient to reduce (autograd's plus any accumulated one), detached from the param."""
         up = self.unsharded_param
         grad = up.grad if up is not None else None
         if up is not None:
             up.grad = None
+        if grad is not None:
+            grad = self._local_grad(grad)
         acc, self.accumulated_grad = self.accumulated_grad, None
         if acc is None:
             return grad
@@ -153,7 +183,7 @@ class FSDPParam:
             return
         if self.accumulated_grad is None and up.grad.dtype == reduce_dtype:
             return              # autograd keeps accumulating into .grad itself
-        grad = up.grad
+        grad = self._local_grad(up.grad)
         up.grad = None
         if self.accumulated_grad is None:
             self.accumulated_grad = grad.to(reduce_dtype)

@@ -22,7 +22,6 @@ from torch import nn
 
 from ringlet.dtensor import DTensor
 from ringlet.parallel.fsdp._param_group import FSDPParamGroup
-from ringlet.parallel.fsdp._shard_math import shard_of
 from ringlet.parallel.fsdp._state import FSDPState, TrainingState
 
 __all__ = ["apply_to_group", "register_state_dict_hooks"]
@@ -46,21 +45,20 @@ def _pre_load(state: FSDPState, sd: dict[str, Any], prefix: str) -> None:
         return
     group.finish_reduce()
     group.reshard()
-    rank = group.mesh_info.shard_rank
     for p in group.params:
-        placements = group.mesh_info.placements(p.spec.dim)
+        placements = tuple(p.dtensor_placements)
         for fqn in p.fqns:
             key = prefix + fqn
             value = sd.get(key)
             if not isinstance(value, torch.Tensor):
                 continue
             if isinstance(value, DTensor):
-                if tuple(value.placements) == placements:
+                if tuple(value.placements) == placements and value.device_mesh == p.dtensor_mesh:
                     continue
                 value = value.full_tensor()
-            if tuple(value.shape) != p.spec.shape:
+            if tuple(value.shape) != p.global_shape:
                 continue        # nn.Module reports the size mismatch with its own message
-            sd[key] = p.to_dtensor(shard_of(value.detach(), p.spec, rank))
+            sd[key] = p.to_dtensor(p.shard_of_full(value.detach()))
 
 
 def _post_load(state: FSDPState) -> None:
