@@ -164,3 +164,43 @@ def llama_vs_torch(rank: int, n: int, tmp: str, steps: int = 5) -> dict[str, Any
     ours = llama_parity(rank, n, sp=True, steps=steps)
     return {"ours": ours["losses"], "ref": ours["ref_losses"], "torch": torch_tp_losses(tmp, rank, n, steps),
             "param_diff": ours["param_diff"]}
+
+
+def llama_2d(rank: int, n: int, strategy: str, steps: int = 5) -> dict[str, Any]:
+    """TP + sequence parallel on "tp", then DDP or fully_shard on "dp" (2 x 2), vs one process.
+
+    Each dp rank trains on its half of every batch; the reference trains the same model on
+    the whole batch (the mean loss over the batch is the mean of the dp ranks' means).
+    """
+    from ringlet.distributed.fsdp import fully_shard
+    from ringlet.nn.parallel import DistributedDataParallel
+
+    mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_local_rank("dp")
+    ref = init_(Llama())
+    model = parallelize_llama(copy.deepcopy(ref), mesh["tp"], sp=True)
+    if strategy == "ddp":
+        model = DistributedDataParallel(model, device_mesh=mesh["dp"])
+    else:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    out: dict[str, Any] = {"losses": [], "ref_losses": []}
+    for x, y in token_batches(steps, batch=4):
+        half = slice(2 * dp, 2 * dp + 2)
+        with loss_parallel():
+            loss = lm_loss(model(x[half]), y[half])
+            loss.backward()
+        ref_loss = lm_loss(ref(x), y)
+        ref_loss.backward()
+        out["losses"].append(float(full(loss).detach()))
+        out["ref_losses"].append(float(ref_loss.detach()))
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+    sd = (model.module if strategy == "ddp" else model).state_dict()
+    out["param_diff"] = max(float((full(sd[k]) - v).abs().max()) for k, v in ref.state_dict().items())
+    out["placements"] = sorted({"".join(map(repr, v.placements)) for v in sd.values() if isinstance(v, DTensor)})
+    return out
