@@ -100,7 +100,7 @@ def test_file_init_method(tmp_path) -> None:
 
 
 def test_backend_names() -> None:
-    assert dist.get_default_backend_for_device("cpu") == "auto"
+    assert dist.get_default_backend_for_device("cpu") == "gloo"
     assert dist.get_default_backend_for_device("cuda:0") == "nccl"
     with pytest.raises(ValueError, match="nccl"):
         dist.init_process_group("nccl", store=HashStore(), rank=0, world_size=1)

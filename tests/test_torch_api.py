@@ -259,3 +259,27 @@ def test_hang_reports_carry_full_stacks_with_torch_show_cpp_stacktraces(monkeypa
     assert "stack of rank 1" not in debug.format_report(pg, states, [0])
     monkeypatch.setenv("TORCH_SHOW_CPP_STACKTRACES", "1")
     assert "stack of rank 1:\n      File a\n      File b" in debug.format_report(pg, states, [0])
+
+
+def test_new_subgroups_splits_a_given_group_and_refuses_bad_ranks() -> None:
+    def body(rank: int, n: int) -> dict[str, Any]:
+        mine, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+        sub, subs = dist.new_subgroups(group_size=1, group=mine)
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=mine)
+        refused = []
+        for bad in ([True, 1], [0.0, 1]):
+            try:
+                dist.new_group(bad)
+            except ValueError as e:
+                refused.append("expected ints" in str(e))
+        try:
+            dist.new_subgroups(group_size=3, group=mine)
+        except ValueError as e:
+            refused.append("must not exceed" in str(e))
+        return {"subs": len(subs), "size": sub.size(), "ranks": dist.get_process_group_ranks(sub),
+                "sum": t.item(), "refused": refused}
+    for rank, got in enumerate(run_threads(body, 4)):
+        assert got["subs"] == 2 and got["size"] == 1 and got["ranks"] == [rank]
+        assert got["sum"] == (2.0 if rank % 2 == 0 else 4.0)
+        assert got["refused"] == [True, True, True]

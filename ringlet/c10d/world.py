@@ -314,7 +314,7 @@ def get_default_backend_for_device(device: Any) -> str:
     kind = device if isinstance(device, str) else getattr(device, "type", str(device))
     kind = kind.split(":")[0]
     if kind == "cpu":
-        return "auto"
+        return "gloo"      # torch's answer; "gloo" runs on ringlet's own CPU transports
     if kind == "cuda":
         return "nccl"
     raise ValueError(f"get_default_backend_for_device: no default backend for device type {kind!r}")
@@ -329,11 +329,13 @@ def new_group(ranks: list[int] | None = None, timeout: timedelta | None = None, 
     ``i`` is ``ranks[i]`` (every member must pass the same order)."""
     w = _world()
     members = list(range(w.world_size) if ranks is None else ranks)
+    if any(isinstance(r, bool) or not isinstance(r, int) for r in members):
+        raise ValueError(f"new_group: ranks: expected ints (global ranks), got {ranks!r}")
     if sort_ranks:
         members.sort()
     if len(set(members)) != len(members):
         raise ValueError(f"new_group: ranks: expected distinct ranks, got {ranks}")
-    bad = [r for r in members if not 0 <= r < w.world_size]
+    bad = [r for r in members if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < w.world_size]
     if bad or not members:
         raise ValueError(f"new_group: ranks: expected ranks in [0, {w.world_size}), got {ranks}")
     key = tuple(members)
@@ -351,13 +353,27 @@ def new_group(ranks: list[int] | None = None, timeout: timedelta | None = None, 
 def new_subgroups(group_size: int | None = None, group: Any = None, timeout: timedelta | None = None,
                   backend: str | None = None, pg_options: Any = None,
                   group_desc: str | None = None) -> tuple[Any, list[Any]]:
-    """Split the world into consecutive subgroups of ``group_size`` ranks; returns (mine, all)."""
+    """Split ``group`` (default: the world) into consecutive subgroups of ``group_size`` ranks.
+
+    Returns ``(the subgroup holding this rank, every subgroup)``, as torch does.  Every rank of
+    ``group`` calls it with the same arguments; ``group_size`` defaults to ``LOCAL_WORLD_SIZE``
+    (one subgroup per node under the launcher).
+
+    Example::
+
+        mine, everyone = dist.new_subgroups(2)      # world of 4: [0, 1] and [2, 3]
+    """
     w = _world()
+    parent = list(range(w.world_size)) if group is None else get_process_group_ranks(group)
     size = group_size if group_size is not None else int(__import__("os").environ.get("LOCAL_WORLD_SIZE", 0))
-    if size <= 0 or w.world_size % size:
-        raise ValueError(f"new_subgroups: group_size: expected a positive divisor of world size "
-                         f"{w.world_size}, got {group_size}")
-    lists = [list(range(i, i + size)) for i in range(0, w.world_size, size)]
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(f"new_subgroups: group_size: expected a positive int, got {group_size!r}")
+    if size > len(parent):
+        raise ValueError(f"new_subgroups: group_size {size} must not exceed the group's size {len(parent)}")
+    if len(parent) % size:
+        raise ValueError(f"new_subgroups: group_size: expected a divisor of the group's size "
+                         f"{len(parent)}, got {group_size}")
+    lists = [parent[i:i + size] for i in range(0, len(parent), size)]
     return new_subgroups_by_enumeration(lists, timeout=timeout, backend=backend, group_desc=group_desc)
 
 
