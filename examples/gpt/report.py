@@ -71,7 +71,7 @@ def summary_lines(cfg: Any, par: Any, history: dict[str, Any], totals: list[Wind
     lines += breakdown_table(totals, "per-rank time over the run:")
     n0 = max(1, totals[0].steps)
     lines.append("collectives per step on rank 0: " + ", ".join(
-        f"{op} {n / n0:.1f}" for op, n in sorted(totals[0].by_op.items())))
+        f"{op} {n / n0:.1f}" for op, n in sorted(totals[0].by_op.items()) if n / n0 >= 0.05))
     lines.append("  rank   comm elements/step   peak RSS MiB   params+grads+Adam MiB")
     for r, w in enumerate(totals):
         lines.append(f"  {r:>4}   {w.elements / max(1, w.steps) / 1e6:14.2f}M   {w.rss_mib:12.0f}   "

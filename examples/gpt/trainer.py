@@ -135,8 +135,10 @@ def check_config(cfg: TrainConfig, dp: int, tp: int) -> None:
         # optimizer as local shards): clip_grad_norm_ would see only this rank's pieces.
         raise ValueError(f"--grad-clip: expected 0 with tensor parallelism (--strategy {cfg.strategy}), "
                          f"got {cfg.grad_clip}")
-    if cfg.steps < 1 or cfg.grad_accum < 1:
-        raise ValueError(f"--steps and --grad-accum: expected >= 1, got {cfg.steps} and {cfg.grad_accum}")
+    for flag in ("steps", "grad_accum", "eval_every", "eval_batches", "checkpoint_every", "log_every",
+                 "breakdown_every"):
+        if getattr(cfg, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(cfg, flag)}")
     if cfg.batch_size % (cfg.grad_accum * dp):
         raise ValueError(f"--batch-size: expected a multiple of grad_accum x data-parallel ranks = "
                          f"{cfg.grad_accum} x {dp}, got {cfg.batch_size}")
@@ -172,7 +174,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     progress = Progress(cfg.steps, start, tokens_per_step, cfg.progress, cfg.log_every, enabled=rank == 0)
     if rank == 0:
         report.print_header(progress.write, cfg, par, data, start)
-    if start == 0 and cfg.eval_every > 0:
+    if start == 0:
         history["val"].append([0, evaluate(par, data, cfg)])
         progress.write(f"step 0: validation loss {history['val'][-1][1]:.4f} (untrained)")
     meter, pending = StepMeter(), []
