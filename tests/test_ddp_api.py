@@ -206,7 +206,8 @@ def test_module_api_like_torch() -> None:
     assert res["getattr"].startswith("AttributeError")
     assert res["device_ids"].startswith("ValueError: DistributedDataParallel: device_ids")
     assert res["mp"].startswith("NotImplementedError: DistributedDataParallel: mixed_precision")
-    assert res["both"] == "ValueError: DistributedDataParallel: expected process_group or device_mesh, got both"
+    assert res["both"] == ("ValueError: DistributedDataParallel: Cannot specify both process_group and device_mesh "
+                          "arguments (expected one of them, got both)")
     assert res["frozen"].startswith("RuntimeError: DistributedDataParallel is not needed")
     assert "expected bucket_cap_mb >= 0" in res["cap"]
 

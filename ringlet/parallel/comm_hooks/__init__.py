@@ -1,4 +1,6 @@
-"""DDP communication hooks: ``default_hooks`` (all-reduce, fp16/bf16 compression) and ``powerSGD_hook``.
+"""DDP communication hooks: ``default_hooks`` (all-reduce, fp16/bf16 compression), ``powerSGD_hook``
+(and ``batched_powerSGD``), ``quantization_hooks`` and the ``registry`` (``DDPCommHookType``,
+``register_ddp_comm_hook``, ``noop_hook``).
 
 A hook is ``hook(state, bucket) -> torch.futures.Future[Tensor]``: it receives a
 ``GradBucket`` (``index()``, ``buffer()``, ``gradients()``, ``parameters()``,
@@ -6,6 +8,13 @@ A hook is ``hook(state, bucket) -> torch.futures.Future[Tensor]``: it receives a
 flattened gradients and returns a future of the tensor that replaces them.
 """
 
-from ringlet.parallel.comm_hooks import default_hooks, powerSGD_hook
+from ringlet.parallel.comm_hooks import (
+           batched_powerSGD,
+           default_hooks,
+           powerSGD_hook,
+           quantization_hooks,
+)
+from ringlet.parallel.comm_hooks.registry import DDPCommHookType, noop_hook, register_ddp_comm_hook
 
-__all__ = ["default_hooks", "powerSGD_hook"]
+__all__ = ["DDPCommHookType", "batched_powerSGD", "default_hooks", "noop_hook", "powerSGD_hook",
+           "quantization_hooks", "register_ddp_comm_hook"]

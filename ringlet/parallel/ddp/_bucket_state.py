@@ -109,9 +109,11 @@ class Bucket:
 class Layout:
     """Buckets for ``params`` and each parameter's slot (see the module docstring)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], cap_bytes: int, as_view: bool) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], cap_bytes: int, as_view: bool,
+                 caps: Sequence[int] | None = None) -> None:
         self.params = params
         self.cap_bytes = cap_bytes
+        self.caps = list(caps) if caps else None      # per-bucket caps (bucket_cap_mb_list)
         self.as_view = as_view
         # None: plan_buckets' default.  Benchmarks set a huge value (then re-install) to measure
         # torch's packing of large gradients, i.e. what solo buckets save.
@@ -127,7 +129,7 @@ class Layout:
     def install(self, order: list[int]) -> bool:
         """(Re)build the buckets for a ready ``order``; False if the plan did not change."""
         plans = plan_buckets([p.numel() for p in self.params], [p.dtype for p in self.params], order,
-                             self.cap_bytes, solo_bytes=self.solo_bytes)
+                             self.cap_bytes, solo_bytes=self.solo_bytes, caps=self.caps)
         if self.buckets and plans == self.plans:
             return False
         old = [self.slot(i) if self.buckets and not self.bucket_of(i).plan.solo else None

@@ -110,7 +110,7 @@ def complete_order(observed: Sequence[int], num_params: int) -> list[int]:
 
 def plan_buckets(numels: Sequence[int], dtypes: Sequence[torch.dtype], order: Sequence[int],
                  cap_bytes: int, first_cap_bytes: int = FIRST_BUCKET_BYTES,
-                 solo_bytes: int | None = None) -> list[BucketPlan]:
+                 solo_bytes: int | None = None, caps: Sequence[int] | None = None) -> list[BucketPlan]:
     """Assign parameters to buckets.
 
     Args:
@@ -122,7 +122,11 @@ def plan_buckets(numels: Sequence[int], dtypes: Sequence[torch.dtype], order: Se
         first_cap_bytes: the cap of each dtype's first bucket (``min`` with ``cap_bytes``).
         solo_bytes: a parameter of at least this many bytes gets a bucket of its own (the open
             bucket of its dtype is closed first, so buckets stay in ready order).  Default:
-            ``min(cap_bytes, first_cap_bytes)``.  See [Note: solo buckets].
+            ``min(cap_bytes, first_cap_bytes)`` (with ``caps``: their largest, at most
+            ``first_cap_bytes``).  See
+            [Note: solo buckets].
+        caps: per-bucket caps (DDP's ``bucket_cap_mb_list``): the ``k``-th bucket of a dtype
+            closes at ``caps[min(k, len(caps) - 1)]``; replaces ``cap_bytes``/``first_cap_bytes``.
 
     Returns:
         Buckets sorted by the position of their first parameter in ``order``: the order in
@@ -137,7 +141,10 @@ def plan_buckets(numels: Sequence[int], dtypes: Sequence[torch.dtype], order: Se
         raise ValueError(f"plan_buckets: expected one dtype per parameter ({n}), got {len(dtypes)}")
     if sorted(order) != list(range(n)):
         raise ValueError(f"plan_buckets: expected order to be a permutation of range({n}), got {list(order)}")
-    solo = min(cap_bytes, first_cap_bytes) if solo_bytes is None else solo_bytes
+    if caps is not None and (not caps or min(caps) < 0):
+        raise ValueError(f"plan_buckets: caps: expected a non-empty list of sizes >= 0, got {list(caps)}")
+    solo = (min(max(caps), first_cap_bytes) if caps else min(cap_bytes, first_cap_bytes)) \
+        if solo_bytes is None else solo_bytes
     position = {i: k for k, i in enumerate(order)}
     open_: dict[torch.dtype, list[int]] = {}
     open_bytes: dict[torch.dtype, int] = {}
@@ -160,7 +167,11 @@ def plan_buckets(numels: Sequence[int], dtypes: Sequence[torch.dtype], order: Se
             continue
         open_.setdefault(dt, []).append(i)
         open_bytes[dt] = open_bytes.get(dt, 0) + nbytes
-        limit = min(first_cap_bytes, cap_bytes) if closed.get(dt, 0) == 0 else cap_bytes
+        k = closed.get(dt, 0)
+        if caps:
+            limit = caps[min(k, len(caps) - 1)]
+        else:
+            limit = min(first_cap_bytes, cap_bytes) if k == 0 else cap_bytes
         if open_bytes[dt] >= limit:
             close(dt)
     done.extend(m for m in open_.values() if m)

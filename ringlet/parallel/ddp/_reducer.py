@@ -92,11 +92,11 @@ class Reducer:
 
     def __init__(self, params: list[torch.Tensor], names: list[str], pg: Any, *, cap_bytes: int,
                  gradient_as_bucket_view: bool, find_unused_parameters: bool, static_graph: bool,
-                 skip_all_reduce_unused_params: bool = False) -> None:
+                 skip_all_reduce_unused_params: bool = False, caps: list[int] | None = None) -> None:
         self.params = params
         self.names = names
         self.pg = pg
-        self.layout = Layout(params, cap_bytes, gradient_as_bucket_view)
+        self.layout = Layout(params, cap_bytes, gradient_as_bucket_view, caps)
         self.find_unused = find_unused_parameters
         self.static_graph = static_graph
         self.skip_unused = skip_all_reduce_unused_params
@@ -123,18 +123,28 @@ class Reducer:
         self.observed: list[int] = []
         self.rebuilt = False
         self.last_stats: ReductionStats | None = None
+        # Host times (perf_counter_ns) of the last synchronised backward, for DDP's logging data:
+        # backward start, first bucket launch, end of autograd (finalize start), finalize end.
+        self.times: dict[str, int] = {}
+        self.on_finalized: Any = None        # callback(reducer) after a successful finalize
+        self.on_error: Any = None            # callback(message) before DDP raises an error
+        self.used_last: list[bool] = []      # parameters that had a gradient in the last reduction
         self._handles = [functools.partial(self._on_grad_ready, i) for i in range(n)]
         self._hooks = [p.register_post_accumulate_grad_hook(h) for p, h in zip(params, self._handles)]
 
     # -- forward side --------------------------------------------------------------------------
-    def check_finished(self) -> None:
-        """Raise if the previous synchronised backward started but never finalized."""
+    def check_finished(self, reset: bool = True) -> None:
+        """Raise if the previous synchronised backward started but never finalized (and forget it)."""
         if self.phase is Phase.REDUCING:
-            self._reset()
-            raise RuntimeError(
-                f"DistributedDataParallel (rank {self.pg.rank()}): expected the gradient reduction of "
-                f"iteration {self.reductions + 1} to finish before a new forward, but its backward did "
-                "not complete (it raised, or was run with torch.autograd.grad instead of backward())")
+            if reset:
+                self._reset()
+            msg = (f"Expected to have finished reduction in the prior iteration before starting a new one. "
+                   f"DistributedDataParallel (rank {self.pg.rank()}): expected the gradient reduction of "
+                   f"iteration {self.reductions + 1} to finish before a new forward, but its backward did "
+                   "not complete (it raised, or was run with torch.autograd.grad instead of backward())")
+            if self.on_error is not None:
+                self.on_error(msg)
+            raise RuntimeError(msg)
 
     def skip_backward(self) -> None:
         """A training forward that will not synchronise (``no_sync``): forget a stale prepared state.
@@ -160,6 +170,7 @@ class Reducer:
         if self.phase is not Phase.PREPARED:
             return
         self.phase = Phase.REDUCING
+        self.times = {"backward_start": time.perf_counter_ns()}
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         for i in self._known_unused():
             self._premarked[i] = True
@@ -224,6 +235,7 @@ class Reducer:
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
+        self.times.setdefault("first_launch", time.perf_counter_ns())
         if self.skip_unused and all(self._premarked[i] and not self._fired[i] and not self._used_since_sync[i]
                                     for i in bucket.plan.indices):
             return                                   # unused on every rank (the user promised)
@@ -300,11 +312,19 @@ class Reducer:
 
     # -- end of backward -----------------------------------------------------------------------
     def _finalize(self) -> None:
+        self.times["finalize_start"] = time.perf_counter_ns()
         try:
             with traced("DDP.finalize"), self.annotate("gradient all-reduce"):
                 self._finish_reduction()
+        except Exception as e:
+            if self.on_error is not None:
+                self.on_error(str(e))
+            raise
         finally:
             self._reset()
+        self.times["finalize_end"] = time.perf_counter_ns()
+        if self.on_finalized is not None:
+            self.on_finalized(self)
 
     def _finish_reduction(self) -> None:
         t0 = time.perf_counter()
@@ -316,8 +336,8 @@ class Reducer:
                 self.layout.contribute_held(i)
                 self.layout.bucket_of(i).pending -= 1
         self._launch_ready()
-        local = torch.tensor([_USED if f or u else _NOT_USED
-                              for f, u in zip(self._fired, self._used_since_sync)], dtype=torch.uint8)
+        self.used_last = [f or u for f, u in zip(self._fired, self._used_since_sync)]
+        local = torch.tensor([_USED if u else _NOT_USED for u in self.used_last], dtype=torch.uint8)
         table = torch.empty(self.pg.size() * local.numel(), dtype=torch.uint8)
         work = all_gather_into_tensor(table, local, group=self.pg, async_op=True)
         divisor = self._join_divisor()

@@ -10,18 +10,17 @@ backward; the reducer (``_reducer.py``) does the gradient all-reduce during back
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from ringlet.c10d import ReduceOp, all_reduce
-from ringlet.c10d.world import resolve_group
-from ringlet.dtensor import DTensor
-from ringlet.parallel.ddp import _checks, _tp
-from ringlet.parallel.ddp._buckets import cap_bytes_from_mb
+from ringlet.parallel.ddp import _checks, _options, _tp
 from ringlet.parallel.ddp._join import DDPJoinHook, Join, Joinable
+from ringlet.parallel.ddp._logging import DDPLogging
 from ringlet.parallel.ddp._reducer import Phase, Reducer, traced
 
 __all__ = ["DistributedDataParallel"]
@@ -34,10 +33,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         module: the model (CPU parameters).
         device_ids, output_device, dim: for GPU modules in torch; a CPU module takes
             ``device_ids=None`` (other values raise ``ValueError``).
-        broadcast_buffers: broadcast rank 0's buffers before each synchronised training forward.
+        broadcast_buffers: deprecated (torch 2.13): ``forward_sync_buffers``, except that ``False``
+            also leaves buffers out of the construction-time sync (``FutureWarning``).
         init_sync: broadcast rank 0's parameters and buffers at construction.
         process_group: the group to reduce over (default: the default group).
-        bucket_cap_mb: bucket size in MiB (default 25; the first bucket is 1 MiB).
+        bucket_cap_mb: bucket size in MiB (default 25; the first bucket is 1 MiB), or a list of
+            sizes, one per bucket (same as ``bucket_cap_mb_list``).
         find_unused_parameters: find parameters the forward did not use (walks the autograd
             graph each iteration) so their buckets need not wait; parameters used on some ranks
             only get the average of the ranks' gradients (zeros from the others).
@@ -52,6 +53,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             parameters: those are handed to DDP as local tensors (``_tp.py``).
         skip_all_reduce_unused_params: with ``find_unused_parameters``, skip buckets whose
             parameters are all unused (they must then be unused on every rank).
+        bucket_cap_mb_list: per-bucket sizes in MiB: bucket ``k`` holds up to ``list[k]`` (the
+            last size repeats); no small first bucket.
+        batched_grad_copy: accepted; ringlet copies each gradient into its bucket as it arrives
+            (on the CPU there are no kernel launches to batch).
+        forward_sync_buffers: broadcast rank 0's buffers before each synchronised training
+            forward (default True); buffers are synced at construction either way.
 
     Raises:
         RuntimeError: the ranks' models differ (names the rank and the first difference), or
@@ -71,18 +78,21 @@ class DistributedDataParallel(nn.Module, Joinable):
     module: nn.Module
 
     def __init__(self, module: nn.Module, device_ids: list[Any] | None = None, output_device: Any = None,
-                 dim: int = 0, broadcast_buffers: bool = True, init_sync: bool = True,
-                 process_group: Any = None, bucket_cap_mb: float | None = None,
+                 dim: int = 0, broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group: Any = None, bucket_cap_mb: float | list[float] | None = None,
                  find_unused_parameters: bool = False, check_reduction: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  delay_all_reduce_named_params: Any = None, param_to_hook_all_reduce: Any = None,
                  mixed_precision: Any = None, device_mesh: Any = None,
-                 skip_all_reduce_unused_params: bool = False) -> None:
+                 skip_all_reduce_unused_params: bool = False, bucket_cap_mb_list: list[float] | None = None,
+                 batched_grad_copy: bool = False, forward_sync_buffers: bool | None = None) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
-        _refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision)
+        _options.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision)
+        self.bucket_bytes_cap, self.bucket_bytes_cap_list = _options.bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        self.forward_sync_buffers, init_sync_buffers = _options.buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.module = module
-        self.process_group = _pick_group(process_group, device_mesh)
+        self.process_group = _options.pick_group(process_group, device_mesh)
         self.device_mesh = device_mesh
         if _tp.has_dtensor_params(module):      # tensor parallel inside: DDP sees local tensors
             _tp.check_dp_orthogonal(module, self.process_group)
@@ -90,8 +100,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         named_params = [(n, p) for n, p in module.named_parameters() if n not in ignore]
         named_buffers = [(n, b) for n, b in module.named_buffers() if n not in ignore]
-        _refuse_dtensor_buffers(named_buffers)
-        _check_devices(named_params, device_ids, output_device)
+        _options.refuse_dtensor_buffers(named_buffers)
+        _options.check_devices(named_params, device_ids, output_device)
         trained = [(n, p) for n, p in named_params if p.requires_grad]
         if not trained:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
@@ -99,12 +109,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device_ids = None
         self.output_device = output_device
         self.dim = dim
-        self.broadcast_buffers = broadcast_buffers
+        self.batched_grad_copy = bool(batched_grad_copy)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.check_reduction = check_reduction
-        self.bucket_bytes_cap = cap_bytes_from_mb(bucket_cap_mb)
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
@@ -115,11 +125,30 @@ class DistributedDataParallel(nn.Module, Joinable):
         with traced("DistributedDataParallel.__init__"):
             _checks.verify_same_model(_checks.describe(named_params, named_buffers), pg)
             if init_sync:
-                _checks.broadcast_coalesced(self._all_params + [b for _, b in named_buffers], pg, 0)
+                buffers = [b for _, b in named_buffers] if init_sync_buffers else []
+                _checks.broadcast_coalesced(self._all_params + buffers, pg, 0)
+        self._logging = DDPLogging(self)
+        self._build_reducer()
+        self._logging.config()
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's older name of ``forward_sync_buffers``."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = bool(value)
+
+    def _build_reducer(self) -> None:
+        trained = [(n, p) for n, p in self.module.named_parameters() if n not in self._ignore and p.requires_grad]
         self.reducer = Reducer(
-            [p for _, p in trained], [n for n, _ in trained], pg, cap_bytes=self.bucket_bytes_cap,
-            gradient_as_bucket_view=gradient_as_bucket_view, find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph, skip_all_reduce_unused_params=skip_all_reduce_unused_params)
+            [p for _, p in trained], [n for n, _ in trained], self.process_group, cap_bytes=self.bucket_bytes_cap,
+            gradient_as_bucket_view=self.gradient_as_bucket_view, find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph, skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
+            caps=self.bucket_bytes_cap_list or None)
+        self.reducer.on_finalized = self._logging.reduction_done
+        self.reducer.on_error = self._logging.log_error
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -127,7 +156,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             training = torch.is_grad_enabled()
             sync = training and self.require_backward_grad_sync
             join_work = self._pre_forward(sync) if training else None
+            if training:
+                self._logging.forward_start()
             out = self.module(*inputs, **kwargs)
+            if training:
+                self._logging.forward_end()
             if sync:
                 self.reducer.prepare_for_backward(out, join_work)
             elif training:
@@ -224,19 +257,85 @@ class DistributedDataParallel(nn.Module, Joinable):
             TypeError: ``hook`` is not callable.
         """
         if not callable(hook):
-            raise TypeError(f"register_comm_hook: expected a callable hook, got {type(hook).__name__}")
+            self._raise(TypeError, f"register_comm_hook: communication hook must be callable (expected "
+                                   f"hook(state, bucket) -> Future), got {type(hook).__name__}")
         if self.reducer.comm_hook is not None:
-            raise RuntimeError("register_comm_hook: expected a single registration, but a communication "
-                               "hook is already registered")
+            self._raise(RuntimeError, "register_comm_hook: expected a single registration, but a communication "
+                                      "hook is already registered (register_comm_hook can only be called once)")
         if self.reducer.phase is Phase.REDUCING:
-            raise RuntimeError("register_comm_hook: expected no backward in progress, got one")
+            self._raise(RuntimeError, "register_comm_hook: expected no backward in progress, got one")
         self.reducer.comm_hook = (state, hook)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's C++ built-in hooks by enum: ``ALLREDUCE`` or ``FP16_COMPRESS`` (``dist.BuiltinCommHookType``)."""
+        from ringlet.parallel.comm_hooks import default_hooks
+
+        name = getattr(comm_hook_type, "name", str(comm_hook_type))
+        hooks = {"ALLREDUCE": default_hooks.allreduce_hook, "FP16_COMPRESS": default_hooks.fp16_compress_hook}
+        if name not in hooks:
+            self._raise(ValueError, f"_register_builtin_comm_hook: expected ALLREDUCE or FP16_COMPRESS, got {name}")
+        self.register_comm_hook(self.process_group, hooks[name])
 
     def _set_static_graph(self) -> None:
         """torch's older way to ask for ``static_graph=True`` (before the first iteration)."""
-        if self.reducer.reductions:
-            raise RuntimeError("_set_static_graph: expected to be called before the first iteration")
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        if self.reducer.reductions or self._logging.forwards:
+            self._raise(RuntimeError, f"DDP._set_static_graph() should be called before training loop starts and "
+                                      f"after DistributedDataParallel is constructed (expected no iteration yet, "
+                                      f"got {self._logging.forwards} forwards on rank {self.process_group.rank()})")
         self.static_graph = self.reducer.static_graph = True
+        self.reducer._record = True
+        self.reducer._recording = self.reducer.reductions == 0
+        self._logging.data["static_graph"] = 1
+
+    def _raise(self, kind: type[Exception], message: str) -> None:
+        """Raise ``kind(message)`` and keep it in the logging data (torch's ``_log_and_throw``)."""
+        self._logging.log_error(message)
+        raise kind(message)
+
+    # -- logging data and checks ---------------------------------------------------------------
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """Configuration, bucket layout, sampled timings (ns) and the last error (see ``_logging.py``)."""
+        return dict(self._logging.data)
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Time every ``sample_rate``-th iteration after the first 10 (which are always timed)."""
+        self._logging.set_sample_rate(sample_rate)
+
+    def _check_reducer_finalized(self) -> None:
+        """Raise if the last synchronised backward started but did not finish its reduction."""
+        self.reducer.check_finished(reset=False)
+
+    # -- pickling ------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """The module and settings; the group and the reducer are rebuilt on unpickling (as in torch).
+
+        Raises:
+            RuntimeError: DDP runs on a group other than the default one.
+        """
+        from ringlet.c10d.world import resolve_group
+
+        if self.process_group is not resolve_group(None):
+            self._raise(RuntimeError, "DDP Pickling/Unpickling are only supported when using DDP with the default "
+                                      "process group (expected the default group, got one passed as "
+                                      "process_group or device_mesh)")
+        state = dict(self.__dict__)
+        for key in ("process_group", "reducer", "_logging", "device_mesh"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Attach to the current default group and rebuild the reducer (no construction-time sync)."""
+        from ringlet.c10d.world import resolve_group
+
+        self.__dict__.update(state)
+        self.process_group = resolve_group(None)
+        self.device_mesh = None
+        self._logging = DDPLogging(self)
+        self._build_reducer()
+        self._logging.config()
 
     # -- Join (uneven inputs) ------------------------------------------------------------------
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
@@ -294,46 +393,3 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Exclude these fully-qualified names from DDP's broadcast and reduction (torch's API)."""
         module._ddp_params_and_buffers_to_ignore = list(params_and_buffers_to_ignore)  # type: ignore[assignment]
 
-
-def _refuse_unsupported(delay: Any, param_to_hook: Any, mixed_precision: Any) -> None:
-    if mixed_precision is not None:
-        raise NotImplementedError("DistributedDataParallel: mixed_precision is not supported by ringlet; "
-                                  "cast the model yourself or use a bf16/fp16 compression comm hook")
-    if delay is not None or param_to_hook is not None:
-        raise NotImplementedError("DistributedDataParallel: delay_all_reduce_named_params and "
-                                  "param_to_hook_all_reduce are not supported by ringlet")
-
-
-def _refuse_dtensor_buffers(named_buffers: Sequence[tuple[str, torch.Tensor]]) -> None:
-    bad = [n for n, b in named_buffers if isinstance(b, DTensor)]
-    if bad:
-        raise ValueError(f"DistributedDataParallel: expected plain tensors as buffers, got DTensor buffers "
-                         f"{bad}; register them as plain tensors, or list them in "
-                         f"_ddp_params_and_buffers_to_ignore")
-
-
-def _pick_group(process_group: Any, device_mesh: Any) -> Any:
-    if process_group is not None and device_mesh is not None:
-        raise ValueError("DistributedDataParallel: expected process_group or device_mesh, got both")
-    if device_mesh is not None:
-        ndim = getattr(device_mesh, "ndim", 1)
-        if ndim != 1:
-            raise ValueError(f"DistributedDataParallel: expected a 1-d device_mesh, got {ndim} dims")
-        process_group = device_mesh.get_group()
-    pg = resolve_group(process_group)
-    if pg is None:
-        raise ValueError("DistributedDataParallel: expected a process group this rank belongs to, "
-                         "got one that does not include it")
-    return pg
-
-
-def _check_devices(named_params: Sequence[tuple[str, torch.Tensor]], device_ids: Any, output_device: Any) -> None:
-    devices = {p.device for _, p in named_params}
-    bad = sorted(str(d) for d in devices if d.type != "cpu")
-    if bad:
-        raise ValueError(f"DistributedDataParallel: expected CPU parameters (ringlet's transports serve "
-                         f"CPU tensors), got parameters on {bad}")
-    if device_ids or output_device is not None:
-        raise ValueError(f"DistributedDataParallel: device_ids and output_device only work with GPU modules; "
-                         f"expected None for a CPU module, got device_ids {device_ids}, output_device "
-                         f"{output_device}")
