@@ -61,7 +61,7 @@ def _check_same(runs: list[dict[str, Any]], results: list[list[dict[str, Any]]],
 @pytest.mark.timeout(120)
 def test_every_strategy_gives_the_same_losses(tmp_path) -> None:
     runs = [{"strategy": s, "out": str(tmp_path / s.replace("+", "_")),
-             "grad_accum": 2 if s in ("ddp", "fsdp", "ddp+tp") else 1} for s in STRATEGIES if s != "fsdp+tp"]
+             "grad_accum": 2 if s in ("ddp", "fsdp", "ddp+tp", "fsdp+tp") else 1} for s in STRATEGIES]
     runs += [{"strategy": s, "bf16": True, "out": str(tmp_path / f"bf16_{s}")} for s in ("fsdp", "tp")]
     clipped = [{"strategy": s, "grad_clip": 0.3, "out": str(tmp_path / f"clip_{s}")} for s in ("ddp", "fsdp")]
     results = raise_first(run_world(2, _train_each, runs + clipped, timeout=100))
@@ -71,13 +71,13 @@ def test_every_strategy_gives_the_same_losses(tmp_path) -> None:
     _check_same(runs, results, _reference(tmp_path))
 
 
-@pytest.mark.timeout(60)
-def test_fsdp_over_tensor_parallel_gives_the_same_losses(tmp_path) -> None:
-    runs = [{"strategy": "fsdp+tp", "grad_accum": 2, "out": str(tmp_path / "fsdp_tp")}]
-    results = run_world(2, _train_each, runs, timeout=50)
-    if any(r.exc_type == "NotImplementedError" and "tensor parallelism" in r.message for r in results):
-        pytest.xfail("fully_shard does not compose with tensor parallelism yet")
-    _check_same(runs, raise_first(results), _reference(tmp_path))
+@pytest.mark.timeout(120)
+def test_two_dimensional_layouts_on_four_ranks(tmp_path) -> None:
+    """The 2-d meshes for real: hsdp 2x2, fsdp+tp and ddp+tp as dp=2 x tp=2."""
+    runs = [{"strategy": s, "out": str(tmp_path / s.replace("+", "_"))} for s in ("hsdp", "fsdp+tp", "ddp+tp")]
+    results = raise_first(run_world(4, _train_each, runs, timeout=100))
+    assert [r["layout"] for r in results[0]] == ["replicate=2 x shard=2", "dp=2 x tp=2", "dp=2 x tp=2"]
+    _check_same(runs, results, _reference(tmp_path))
 
 
 def _resume(rank: int, world: int, base: str, strategy: str, then: str) -> list[list[float]]:

@@ -206,6 +206,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     meter.total.rss_mib, meter.total.state_mib = peak_rss_mib(), state_mib(par.model, opt)
     totals = gather_windows(meter.total)
     history["wall_s"] = time.perf_counter() - t_run
+    history["layout"] = str(par.layout)
     text = _sample(par, data, cfg)
     if rank == 0:
         report.finish(cfg, par, history, totals, text, start)
