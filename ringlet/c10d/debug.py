@@ -143,7 +143,7 @@ class Watchdog:
     def _loop(self) -> None:
         period = _env.straggler_report_period()
         next_report = time.monotonic() + period
-        last_wait: dict[str, float] = {}
+        last: dict[str, tuple[float, float]] = {}    # group -> (time, wait_s) at its last line
         while not self._stop.wait(POLL_PERIOD):
             try:
                 req = int(self._store.add("hang/req", 0))
@@ -153,20 +153,24 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 if self._stop.is_set():
                     return
-            if period and time.monotonic() >= next_report:
-                next_report += period
+            now = time.monotonic()
+            if period and now >= next_report:
+                next_report = max(next_report + period, now)   # no burst after a stall
                 for pg in list(self._groups):
-                    self._log_waiting(pg, period, last_wait)
+                    self._log_waiting(pg, last)
 
-    def _log_waiting(self, pg: Any, period: float, last_wait: dict[str, float]) -> None:
-        """RINGLET_STRAGGLER_REPORT: one local line per group -- how much this rank waited, on whom."""
-        wait_s, late = pg.wait_stats()
-        share = (wait_s - last_wait.get(pg.group_name, 0.0)) / period
-        last_wait[pg.group_name] = wait_s
+    def _log_waiting(self, pg: Any, last: dict[str, tuple[float, float]]) -> None:
+        """RINGLET_STRAGGLER_REPORT: one local line per group -- how much of the time since its
+        previous line (measured, not the nominal period) this rank waited, and on whom."""
+        now = time.monotonic()
+        wait_s, late = pg.wait_stats()      # includes a wait still in progress
+        then, before = last.get(pg.group_name, (pg.created, 0.0))
+        last[pg.group_name] = (now, wait_s)
+        share = waiting_share(wait_s - before, now - then)
         worst = max(late.items(), key=lambda kv: kv[1], default=None)
         who = f"; mostly on rank {pg.ranks[worst[0]]} ({worst[1]:.2f} s in all)" if worst else ""
-        log.warning("rank %d, group %s: waiting for peers was %.0f%% of the last %.0f s%s",
-                    self._rank, pg.group_desc, 100 * share, period, who)
+        log.warning("rank %d, group %s: waiting for peers was %.0f%% of the last %.1f s%s",
+                    self._rank, pg.group_desc, 100 * share, now - then, who)
 
     def state(self, req: int) -> dict[str, Any]:
         frame = sys._current_frames().get(self._ident)
@@ -346,8 +350,17 @@ def group_stats(pg: Any) -> dict[str, Any]:
     }
 
 
-def straggler_lines(stats_by_rank: list[dict[str, Any]], interval_s: float) -> list[str]:
-    """Who the others wait for, from every rank's stats of one group (gathered)."""
+def waiting_share(waited: float, interval: float) -> float:
+    """The share of ``interval`` seconds spent waiting, clamped to [0, 1] (a wait that ended just
+    after one reading and was counted in progress by it can make two readings overlap a little)."""
+    if interval <= 0:
+        return 0.0
+    return min(1.0, max(0.0, waited / interval))
+
+
+def straggler_lines(stats_by_rank: list[dict[str, Any]]) -> list[str]:
+    """Who the others wait for, from every rank's stats of one group (gathered); each rank's
+    entry carries ``interval_s`` (its time since its previous report) and ``wait_share``."""
     n = max(1, max(s["collectives"] for s in stats_by_rank))
     blame: dict[int, float] = {}
     for s in stats_by_rank:
@@ -358,7 +371,7 @@ def straggler_lines(stats_by_rank: list[dict[str, Any]], interval_s: float) -> l
         if sec > 0:
             lines.append(f"rank {r} arrives {sec / n * 1e3:.1f} ms late on average (over {n} collectives)")
     for rank, s in enumerate(stats_by_rank):
-        if interval_s > 0:
-            lines.append(f"rank {rank}: waiting is {100 * s['wait_s'] / interval_s:.0f}% of the "
-                         f"last {interval_s:.1f} s")
+        if s["interval_s"] > 0:
+            lines.append(f"rank {rank}: waiting is {100 * s['wait_share']:.0f}% of the "
+                         f"last {s['interval_s']:.1f} s")
     return lines

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -79,6 +80,7 @@ class ProcessGroup(TorchGroupMethods):
         self.hang_reporter = hang_reporter
         self.detail_check = detail_check
         self.destroyed = False
+        self.created = time.monotonic()   # the straggler reports' first interval starts here
 
     # -- torch's accessors ----------------------------------------------------------------
     def rank(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -15,7 +16,8 @@ from ringlet.c10d.world import current_world, resolve_group
 
 __all__ = ["agree", "report_stragglers", "stats"]
 
-_last_report: dict[str, tuple[float, float]] = {}   # group -> (time, wait_s) at the last report
+# group -> (time, wait_s) at this rank's last report (by group object: ranks may be threads)
+_last_report: weakref.WeakKeyDictionary[Any, tuple[float, float]] = weakref.WeakKeyDictionary()
 
 
 def agree(flag: bool, op: str = "any", group: Any = None) -> bool:
@@ -51,20 +53,21 @@ def stats(group: Any = None) -> dict[str, Any] | list[dict[str, Any]]:
 
 def report_stragglers(group: Any = None, print_on: int = 0) -> list[str]:
     """Gather every rank's stats of ``group`` (a collective: every rank calls it) and, on rank
-    ``print_on``, print who arrives late and how much of the time since the last report each rank
-    spent waiting.  Returns the report lines (on every rank)."""
+    ``print_on``, print who arrives late and how much of the time since its previous report (or
+    since the group was created) each rank spent waiting.  Returns the report lines (on every
+    rank)."""
     pg = resolve_group(group)
     if pg is None:
         return []
     now = time.monotonic()
     mine = debug.group_stats(pg)
-    then, waited = _last_report.get(pg.group_name, (now, 0.0))
-    _last_report[pg.group_name] = (now, mine["wait_s"])
-    interval = now - then
-    mine["wait_s"] -= waited
+    then, waited = _last_report.get(pg, (pg.created, 0.0))
+    _last_report[pg] = (now, mine["wait_s"])
+    mine["interval_s"] = now - then
+    mine["wait_share"] = debug.waiting_share(mine["wait_s"] - waited, now - then)
     everyone: list[Any] = [None] * pg.size()
     all_gather_object(everyone, mine, group=pg)
-    lines = debug.straggler_lines(everyone, interval)
+    lines = debug.straggler_lines(everyone)
     if pg.rank() == print_on:
         for line in lines:
             print(f"[ringlet stragglers, group {pg.group_desc}] {line}", flush=True)

@@ -159,6 +159,7 @@ class Arena:
         self.share_cpus(n)
         self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self.wait_s = 0.0                   # time spent in the slow path of waits
+        self.wait_since = 0.0               # when the wait in progress began (0: none; wait_total)
         self.late_s: dict[int, float] = {}  # of which, per rank that arrived last
 
     def share_cpus(self, busy_ranks: int) -> None:
@@ -235,17 +236,27 @@ class Arena:
             return
         backoff = _Backoff(self, ctx)
         t0 = time.monotonic()
-        while True:
-            still = [k for k in pending if q[idx[k]] < value]
-            if not still:
-                # Blame the wait on the ranks that arrived last (ringlet.distributed.stats()).
-                waited = time.monotonic() - t0
-                self.wait_s += waited
-                for k in pending:
-                    self.late_s[ranks[k]] = self.late_s.get(ranks[k], 0.0) + waited
-                return
-            pending = still
-            backoff.pause([ranks[k] for k in pending])
+        self.wait_since = t0                # counted by wait_total() while it lasts
+        try:
+            while True:
+                still = [k for k in pending if q[idx[k]] < value]
+                if not still:
+                    # Blame the wait on the ranks that arrived last (ringlet.distributed.stats()).
+                    waited = time.monotonic() - t0
+                    self.wait_s += waited
+                    for k in pending:
+                        self.late_s[ranks[k]] = self.late_s.get(ranks[k], 0.0) + waited
+                    return
+                pending = still
+                backoff.pause([ranks[k] for k in pending])
+        finally:
+            self.wait_since = 0.0
+
+    def wait_total(self) -> float:
+        """Seconds spent waiting for peers so far, the wait in progress included (the straggler
+        report reads it from another thread while this rank is blocked)."""
+        since = self.wait_since
+        return self.wait_s + (time.monotonic() - since if since else 0.0)
 
     def wait_any_gt(self, idx: Sequence[int], ranks: Sequence[int], values: Sequence[int],
                     ctx: OpContext) -> int:

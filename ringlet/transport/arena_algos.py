@@ -415,7 +415,7 @@ class ArenaTransport(Transport):
         self.arena.share_cpus(busy_ranks)
 
     def wait_stats(self) -> tuple[float, dict[int, float]]:
-        return self.arena.wait_s, dict(self.arena.late_s)
+        return self.arena.wait_total(), dict(self.arena.late_s)
 
     def abort(self, reason: str) -> None:
         self.arena.abort(reason)

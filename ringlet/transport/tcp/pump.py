@@ -84,6 +84,7 @@ class Pump:
         self._keep: list[object] = []            # tensors whose memory queued frames use
         self._bufs: dict[torch.dtype, torch.Tensor] = {}
         self.wait_s = 0.0                        # time spent blocked in poll (stats)
+        self.wait_since = 0.0                    # when the poll in progress began (0: none)
         self.late_s: dict[int, float] = {}
 
     # -- what algorithms use --------------------------------------------------------------------
@@ -254,6 +255,12 @@ class Pump:
         return self.ctx
 
     # -- waiting ---------------------------------------------------------------------------
+    def wait_total(self) -> float:
+        """Seconds blocked waiting for peers so far, the poll in progress included (read by the
+        straggler report from another thread)."""
+        since = self.wait_since
+        return self.wait_s + (time.monotonic() - since if since else 0.0)
+
     def _needed(self) -> list[int]:
         return [r for r in self.peers if self._open[r] or self.sendq[r]]
 
@@ -285,7 +292,11 @@ class Pump:
         remaining = ctx.deadline - t0
         if remaining <= 0:
             raise self._timeout(waited_on)
-        ready = poller.poll(remaining * 1000.0)
+        self.wait_since = t0
+        try:
+            ready = poller.poll(remaining * 1000.0)
+        finally:
+            self.wait_since = 0.0
         waited = time.monotonic() - t0
         self.wait_s += waited
         for r in waited_on:

@@ -187,7 +187,7 @@ class TcpTransport(Transport):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def wait_stats(self) -> tuple[float, dict[int, float]]:
-        return self.pump.wait_s, dict(self.pump.late_s)
+        return self.pump.wait_total(), dict(self.pump.late_s)
 
     def abort(self, reason: str) -> None:
         """Fail every pending and later call here at once, and tell the peers (ABORT frames)."""
