@@ -22,6 +22,8 @@ __all__ = [
 
 @dataclasses.dataclass
 class AllreduceOptions:
+    """Options of ``pg.allreduce([t], opts)``: the reduce op (``reduceOp``)."""
+
     reduceOp: Any = ReduceOp.SUM
     timeout: timedelta | None = None
     asyncOp: bool = True
@@ -29,11 +31,13 @@ class AllreduceOptions:
 
 @dataclasses.dataclass
 class AllreduceCoalescedOptions(AllreduceOptions):
-    pass
+    """Options of ``pg.allreduce_coalesced(tensors, opts)``: as :class:`AllreduceOptions`."""
 
 
 @dataclasses.dataclass
 class BroadcastOptions:
+    """Options of ``pg.broadcast([t], opts)``: the root's group rank (``rootRank``)."""
+
     rootRank: int = 0
     rootTensor: int = 0
     timeout: timedelta | None = None
@@ -42,6 +46,8 @@ class BroadcastOptions:
 
 @dataclasses.dataclass
 class ReduceOptions:
+    """Options of ``pg.reduce([t], opts)``: the reduce op and the root's group rank."""
+
     reduceOp: Any = ReduceOp.SUM
     rootRank: int = 0
     rootTensor: int = 0
@@ -51,12 +57,16 @@ class ReduceOptions:
 
 @dataclasses.dataclass
 class AllgatherOptions:
+    """Options of ``pg.allgather(outputs, inputs, opts)`` and ``_allgather_base``."""
+
     timeout: timedelta | None = None
     asyncOp: bool = True
 
 
 @dataclasses.dataclass
 class GatherOptions:
+    """Options of ``pg.gather(outputs, inputs, opts)``: the root's group rank."""
+
     rootRank: int = 0
     timeout: timedelta | None = None
     asyncOp: bool = True
@@ -64,6 +74,8 @@ class GatherOptions:
 
 @dataclasses.dataclass
 class ScatterOptions:
+    """Options of ``pg.scatter(outputs, inputs, opts)``: the root's group rank."""
+
     rootRank: int = 0
     timeout: timedelta | None = None
     asyncOp: bool = True
@@ -71,6 +83,8 @@ class ScatterOptions:
 
 @dataclasses.dataclass
 class ReduceScatterOptions:
+    """Options of ``pg.reduce_scatter(outputs, inputs, opts)``: the reduce op."""
+
     reduceOp: Any = ReduceOp.SUM
     timeout: timedelta | None = None
     asyncOp: bool = True
@@ -78,12 +92,16 @@ class ReduceScatterOptions:
 
 @dataclasses.dataclass
 class AllToAllOptions:
+    """Options of ``pg.alltoall`` and ``pg.alltoall_base``."""
+
     timeout: timedelta | None = None
     asyncOp: bool = True
 
 
 @dataclasses.dataclass
 class BarrierOptions:
+    """Options of ``pg.barrier(opts)``: ``device_ids`` is checked and otherwise unused."""
+
     device_ids: list[int] = dataclasses.field(default_factory=list)
     timeout: timedelta | None = None
     asyncOp: bool = True

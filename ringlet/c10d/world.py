@@ -130,11 +130,22 @@ class _WorldProxy:
 
 
 class GroupMember:
+    """torch's group markers: ``GroupMember.WORLD`` stands for the default group (it resolves at
+    each use, so it may be taken before ``init_process_group``) and ``NON_GROUP_MEMBER`` is what
+    ``new_group`` returns on ranks outside the new group (collectives on it return ``None``)."""
+
     WORLD: Any = _WorldProxy()
     NON_GROUP_MEMBER: Any = _NonMember()
 
 
 class group:
+    """``group.WORLD``: the default group, as in torch (the same object as ``GroupMember.WORLD``).
+
+    Example::
+
+        dist.all_reduce(t, group=dist.group.WORLD)     # same as group=None
+    """
+
     WORLD: Any = GroupMember.WORLD
 
 
@@ -280,10 +291,13 @@ def destroy_process_group(group: Any = None) -> None:
 
 
 def is_initialized() -> bool:
+    """Whether this process (or, for ranks as threads, this thread) has a default group."""
     return current_world(required=False) is not None
 
 
 def is_available() -> bool:
+    """Always True: ringlet's collectives need nothing beyond torch (torch's answer for a build
+    with distributed support)."""
     return True
 
 
@@ -294,6 +308,11 @@ def get_rank(group: Any = None) -> int:
 
 
 def get_world_size(group: Any = None) -> int:
+    """Number of ranks in ``group`` (default: the world); -1 if this rank is not a member.
+
+    Raises:
+        ValueError: no default group (``init_process_group`` was not called), as in torch.
+    """
     pg = resolve_group(group)
     return -1 if pg is None else pg.size()
 
@@ -311,6 +330,15 @@ def get_backend(group: Any = None) -> str:
 
 
 def get_default_backend_for_device(device: Any) -> str:
+    """torch's default backend name for a device: ``"gloo"`` for ``cpu`` (which ringlet runs on
+    its own transports), ``"nccl"`` for ``cuda``.
+
+    Args:
+        device: a ``torch.device`` or a string such as ``"cpu"`` or ``"cuda:1"``.
+
+    Raises:
+        ValueError: any other device type.
+    """
     kind = device if isinstance(device, str) else getattr(device, "type", str(device))
     kind = kind.split(":")[0]
     if kind == "cpu":
@@ -380,6 +408,20 @@ def new_subgroups(group_size: int | None = None, group: Any = None, timeout: tim
 def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]], timeout: timedelta | None = None,
                                  backend: str | None = None, pg_options: Any = None,
                                  group_desc: str | None = None) -> tuple[Any, list[Any]]:
+    """Make one group per list of global ranks; every rank of the world calls it with the same
+    lists, in the same order.
+
+    Returns:
+        ``(the subgroup holding this rank or None, every subgroup)``; on ranks outside a subgroup
+        its entry is ``GroupMember.NON_GROUP_MEMBER``.
+
+    Raises:
+        ValueError: a rank appears in more than one list.
+
+    Example::
+
+        mine, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])   # world of 4
+    """
     seen: set[int] = set()
     for ranks in ranks_per_subgroup_list:
         if seen & set(ranks):
@@ -398,11 +440,21 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]], timeo
 
 
 def get_process_group_ranks(group: Any) -> list[int]:
+    """The global ranks of ``group``, in group-rank order.
+
+    Raises:
+        ValueError: this rank is not a member of ``group``.
+    """
     pg = _member(group, "get_process_group_ranks")
     return pg.ranks
 
 
 def get_global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of ``group``'s rank ``group_rank``.
+
+    Raises:
+        ValueError: this rank is not a member of ``group``, or ``group_rank`` is out of range.
+    """
     pg = _member(group, "get_global_rank")
     if not 0 <= group_rank < pg.size():
         raise ValueError(f"get_global_rank: group_rank: expected 0 <= group_rank < {pg.size()}, got {group_rank}")
@@ -410,6 +462,11 @@ def get_global_rank(group: Any, group_rank: int) -> int:
 
 
 def get_group_rank(group: Any, global_rank: int) -> int:
+    """The rank within ``group`` of the global rank ``global_rank``.
+
+    Raises:
+        ValueError: this rank is not a member of ``group``, or ``global_rank`` is not in it.
+    """
     pg = _member(group, "get_group_rank")
     if global_rank not in pg.ranks:
         raise ValueError(f"get_group_rank: global rank {global_rank} is not part of group {pg.ranks}")

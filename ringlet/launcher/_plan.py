@@ -205,8 +205,11 @@ def build_parser(legacy_launch: bool = False) -> argparse.ArgumentParser:
                    help="seconds for all nodes to reach node 0 (default RINGLET_TIMEOUT or 300)")
     p.add_argument("--from-env", "--from_env", choices=KINDS, default=None,
                    help="take nnodes/node rank/master address from Slurm (srun) or MPI (mpirun)")
-    p.add_argument("--max-restarts", "--max_restarts", type=_int, default=0)
-    p.add_argument("--monitor-interval", "--monitor_interval", type=_seconds, default=0.1)
+    p.add_argument("--max-restarts", "--max_restarts", type=_int, default=0,
+                   help="restart the whole group this many times after a failure (default 0)")
+    p.add_argument("--monitor-interval", "--monitor_interval", type=_seconds, default=0.1,
+                   help="seconds between the launcher's periodic checks (workers' exits and "
+                        "signals wake it at once; default 0.1)")
     p.add_argument("--grace-period", "--grace_period", type=_seconds, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping workers")
     p.add_argument("--log-dir", "--log_dir", default=None, metavar="DIR",

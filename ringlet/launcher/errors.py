@@ -49,6 +49,8 @@ class ErrorHandler:
 
 
 def get_error_handler() -> ErrorHandler:
+    """A fresh :class:`ErrorHandler` (torch's factory of the same name), for ``record(fn,
+    error_handler=...)``."""
     return ErrorHandler()
 
 

@@ -1,7 +1,7 @@
 """Real multi-process worlds for tests: ``run_world(n, fn, *args)``.
 
 Ranks come from a ``forkserver`` that preloads torch and ringlet (2.5 s once,
-then ~0.06 s per launch; STYLE.md), so the pool of pre-imported workers is
+then ~0.06 s per launch, measured on 2 cores), so the pool of pre-imported workers is
 shared by every test of a session.  The parent hosts the TCPStore; children
 die with the parent (``PR_SET_PDEATHSIG``) and are always reaped: SIGTERM,
 bounded join, SIGKILL.  Hung ranks dump their Python stacks (``faulthandler``)
@@ -44,6 +44,7 @@ class RankResult:
 
 
 def forkserver_context() -> Any:
+    """The shared ``forkserver`` context whose server preloads torch and ringlet (made once)."""
     if _ctx[0] is None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "ringlet.distributed", "ringlet.testing.procs"])
