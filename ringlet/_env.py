@@ -8,6 +8,7 @@
 | ``RINGLET_STORE_TOKEN_FILE`` | file (mode 0600) holding the run token; the launcher sets it | unset |
 | ``RINGLET_RUNTIME_DIR`` | private (0700) directory of this user's host secrets (stores started without a token) | ``/tmp/ringlet-<uid>`` |
 | ``RINGLET_SHM_SLOT_BYTES`` | bytes of one shared-memory slot (chunk size) per rank | 1 MiB |
+| ``RINGLET_SHM_BUFFER_BYTES`` | address space reserved per rank for communication buffers in a group's shared memory (``comm_buffer``; committed only as buffers are allocated); 0: none | 16 GiB |
 | ``RINGLET_SAFE_OBJECTS`` | ``1`` on every rank: object collectives build only plain data and tensors (``torch.load(weights_only=True)``; docs/security.md) | 0 |
 | ``RINGLET_HEARTBEAT_TIMEOUT`` | seconds without progress after which ``ringlet-run`` kills a worker (0: off); ``--heartbeat-timeout`` | 0 |
 | ``RINGLET_AGENT_STORE`` | ``1``: the launcher hosts the store; every rank connects as a client | 0 |
@@ -37,6 +38,7 @@ from datetime import timedelta
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_SLOT_BYTES = 1 << 20
 DEFAULT_TCP_CHUNK_BYTES = 1 << 20
+DEFAULT_BUFFER_BYTES = 16 << 30
 
 
 def timeout_seconds() -> float:
@@ -91,6 +93,17 @@ def shm_slot_bytes() -> int:
 
 
 def safe_objects() -> bool:
+def shm_buffer_bytes() -> int:
+    """``RINGLET_SHM_BUFFER_BYTES``: per-rank reservation of a group's buffer heap (0: none)."""
+    raw = os.environ.get("RINGLET_SHM_BUFFER_BYTES", "").strip()
+    if not raw:
+        return DEFAULT_BUFFER_BYTES
+    value = int(raw)
+    if value < 0:
+        raise ValueError(f"RINGLET_SHM_BUFFER_BYTES: expected bytes >= 0, got {value}")
+    return value
+
+
     return os.environ.get("RINGLET_SAFE_OBJECTS", "0") not in ("", "0", "false", "False")
 
 

@@ -234,8 +234,9 @@ def _reshard_int(rank: int, world: int) -> None:
     assert fully_shard(nn.Linear(4, 4), reshard_after_forward=world)._get_fsdp_state().reshard_after_forward is True
     with pytest.raises(ValueError, match="divides the shard world size 4"):
         fully_shard(nn.Linear(4, 4), reshard_after_forward=3)
-    with pytest.raises(NotImplementedError, match="reshard_after_forward=2"):
-        fully_shard(nn.Linear(4, 4), reshard_after_forward=2)
+    m = fully_shard(nn.Linear(4, 4), reshard_after_forward=2)    # a proper divisor: a 2-rank post-forward group
+    assert m._get_fsdp_state().reshard_after_forward == 2
+    assert m._get_fsdp_state().group.comm.post_forward_pg.size() == 2
 
 
 def test_reshard_after_forward_as_a_world_size() -> None:

@@ -14,6 +14,7 @@ Point-to-point messages use the pair mailboxes (``arena_p2p``).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 from ringlet import _env
 from ringlet.errors import CollectiveMismatchError, DistBackendError
 from ringlet.transport.arena import C_DEPARTED, C_DONE, C_ENTERED, C_PID, Arena
+from ringlet.transport.arena_inplace import INPLACE_MIN_BYTES, InplaceCollectives, overlaps
 from ringlet.transport.arena_p2p import Mailboxes
 from ringlet.transport.base import (
     OpContext,
@@ -57,8 +59,9 @@ def _foldable_in_place(fi: torch.Tensor, fo: torch.Tensor, me: int, N: int) -> b
     return olo == lo + me * N * size and reads_first(me)
 
 
-class ArenaTransport(Transport):
-    """Algorithms shared by the ``shm`` (processes) and ``inproc`` (threads) transports."""
+class ArenaTransport(InplaceCollectives, Transport):
+    """Algorithms shared by the ``shm`` (processes) and ``inproc`` (threads) transports; those on
+    buffers of the group's heap are in ``arena_inplace`` ([Note: in-place collectives])."""
 
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
@@ -146,7 +149,17 @@ class ArenaTransport(Transport):
     # -- reductions ------------------------------------------------------------------
     def all_reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, ctx: OpContext,
                    ranks: Ranks = None) -> None:
-        self._reduce(buf, reduction(op, factor, buf.dtype, self.world_size), None, ctx, ranks)
+        red = reduction(op, factor, buf.dtype, self.world_size)
+        off = self._heap_offset(buf, buf.numel() * buf.element_size()) if ranks is None else -1
+        if off >= 0:
+            self.q[self._entered_i] = ctx.seq
+            if self._inplace_all_reduce(buf, red, off, ctx):
+                self._done(ctx)
+                return
+            self._reduce(buf, red.completing(), None, ctx, ranks)   # a mixed call: see the note
+            self._clear_desc()
+            return
+        self._reduce(buf, red, None, ctx, ranks)
 
     def reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, root: int,
                ctx: OpContext, ranks: Ranks = None) -> None:
@@ -177,6 +190,8 @@ class ArenaTransport(Transport):
             red.contribute(piece, a.slot(me, b, dt)[:c])
             self._sync(s, fp, k, ctx)
             if root is None or root == me:
+            if k == 0 and self.heap is not None and self._peers_inplace(b):
+                return self._reduce(buf, red, root, ctx, ranks)    # [Note: in-place collectives]
                 parts = [piece if own and r == me else a.slot(r, b, dt)[:c] for r in self._ranks]
                 red.fold_(piece, parts)
         self._done(ctx)
@@ -198,19 +213,33 @@ class ArenaTransport(Transport):
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: ReduceArg,
                        factor: float | None, ctx: OpContext, ranks: Ranks = None) -> None:
         fo, fi = out.view(-1), inp.view(-1)
-        n, me, a = self.world_size, self.rank, self.arena
+        n, me = self.world_size, self.rank
         red = reduction(op, factor, fo.dtype, n)
         if self._alone(ctx, ranks):
             red.contribute(fi, fo)
             return
         N = fo.numel()
-        dt = fo.dtype
         nbytes = N * fo.element_size()
         if self._fast_ok and nbytes * n <= FAST_BYTES and red.ufunc is not None:
             self._small_reduce_scatter(fi, fo, red, nbytes, ctx)
             self._done(ctx)
             return
         fp = ctx.fingerprint()
+        off = self._heap_offset(fi, nbytes * n) if ranks is None else -1
+        if off >= 0 and red.exact and (not overlaps(fi, fo) or fo.data_ptr() == fi[me * N:].data_ptr()):
+            self.q[self._entered_i] = ctx.seq
+            if self._inplace_reduce_scatter(fi, fo, red, off, ctx):
+                self._done(ctx)
+                return
+            self._clear_desc_after(lambda: self._reduce_scatter(fi, fo, red, ctx))  # a mixed call
+            return
+        self._reduce_scatter(fi, fo, red, ctx)
+
+    def _reduce_scatter(self, fi: torch.Tensor, fo: torch.Tensor, red: Reduction,
+                        ctx: OpContext) -> None:
+        """reduce_scatter through the slots (flat input and output)."""
+        n, me, a = self.world_size, self.rank, self.arena
+        N, dt = fo.numel(), fo.dtype
         sub = self._cap(dt) // n
         # Only this rank reads its own block: fold it from the input instead of a copy in the
         # arena when that copy would be exact and folding cannot overwrite it before it is read.
@@ -224,6 +253,8 @@ class ArenaTransport(Transport):
                     red.contribute(fi[r * N + off:r * N + off + c], mine[r * sub:r * sub + c])
             self._sync(s, fp, k, ctx)
             parts = [a.slot(r, b, dt)[me * sub:me * sub + c] for r in self._ranks]
+            if k == 0 and self.heap is not None and self._peers_inplace(b):
+                return self._reduce_scatter(fi, fo, red, ctx)   # [Note: in-place collectives]
             if own:
                 parts[me] = fi[me * N + off:me * N + off + c]
             red.fold_(fo[off:off + c], parts)
@@ -272,8 +303,28 @@ class ArenaTransport(Transport):
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext,
                    ranks: Ranks = None) -> None:
         self._gather(inp, out, None, ctx, ranks)
+        nbytes = inp.numel() * inp.element_size()
+        if self.heap is not None and ranks is None and nbytes > INPLACE_MIN_BYTES:
+            in_off = self._heap_offset(inp, nbytes)
+            out_off = self._heap_offset(out, nbytes)
+            alias = overlaps(inp, out) and inp.data_ptr() != out.view(-1)[self.rank * inp.numel():].data_ptr()
+            if (in_off >= 0 or out_off >= 0) and not alias:
+                self.q[self._entered_i] = ctx.seq
+                if self._inplace_all_gather(inp, out, in_off, out_off, ctx):
+                    self._done(ctx)
+                    return
+                self._clear_desc_after(lambda: self._gather(inp, out, None, ctx, ranks))
+                return
 
     def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext,
+    def _clear_desc_after(self, ordinary: Callable[[], None]) -> None:
+        """Run a mixed call on the ordinary path, then clear this rank's descriptor (the peers
+        read it in the round before)."""
+        try:
+            ordinary()
+        finally:
+            self._clear_desc()
+
                ranks: Ranks = None) -> None:
         self._gather(inp, out, root, ctx, ranks)
 
@@ -300,6 +351,8 @@ class ArenaTransport(Transport):
             a.slot(me, b, dt)[:c].copy_(fi[off:off + c])
             self._sync(s, fp, k, ctx)
             if fo is not None:
+            if k == 0 and self.heap is not None and self._peers_inplace(b):
+                return self._gather(inp, out, root, ctx, ranks)    # [Note: in-place collectives]
                 for r in self._ranks:
                     src = fi[off:off + c] if r == me else a.slot(r, b, dt)[:c]
                     dst = fo[r * N + off:r * N + off + c]

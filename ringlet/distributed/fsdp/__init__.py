@@ -8,6 +8,7 @@ from ringlet.parallel.fsdp import (
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
+    share_comm_ctx,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

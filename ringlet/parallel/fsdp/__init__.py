@@ -11,6 +11,7 @@ from ringlet.parallel.fsdp._api import (
            UnshardHandle,
            fully_shard,
            register_fsdp_forward_method,
+           share_comm_ctx,
 )
 from ringlet.parallel.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -22,4 +23,5 @@ __all__ = [
            "UnshardHandle",
            "fully_shard",
            "register_fsdp_forward_method",
+           "share_comm_ctx",
 ]

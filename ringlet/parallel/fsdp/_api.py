@@ -15,27 +15,28 @@ from __future__ import annotations
 
 import copy
 import functools
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from ringlet.parallel.fsdp._init import build_group, normalize_reshard_after_forward
+from ringlet.parallel.fsdp._collectives import BufferPool
+from ringlet.parallel.fsdp._controls import FSDPControls, apply_reshard_after_forward
+from ringlet.parallel.fsdp._init import build_group
 from ringlet.parallel.fsdp._mesh_info import resolve_mesh
 from ringlet.parallel.fsdp._param_group import FSDPParamGroup
 from ringlet.parallel.fsdp._state import COPY_SCOPE, FSDPState, TrainingState
 from ringlet.parallel.fsdp._state_dict import apply_to_group, register_state_dict_hooks
 from ringlet.parallel.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
 # One dynamically created subclass per user class, so that isinstance checks and type(m) are stable.
 _FSDP_CLASSES: dict[type, type] = {}
 
 
-def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool | int | None = None,
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: Any = None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen
                 offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen
@@ -50,13 +51,17 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
 
     Args:
         module: the module to shard; becomes an instance of ``FSDPModule`` and its own class.
+            A list of modules forms one group ([Note: grouped modules] in ``_state.py``): e.g.
+            ``fully_shard([norm, head])`` for a chunked loss that calls ``head`` per chunk.
         mesh: a 1-d DeviceMesh (FSDP) or 2-d (HSDP: replicate axis 0, shard axis 1);
             ``None``: a 1-d mesh over the default world.
         reshard_after_forward: ``True`` frees the unsharded parameters after forward (re-gathered
             in backward); ``False`` keeps them; ``None`` (default): ``True`` except for the root;
-            an int is a world size to reshard to: 1 means False, the shard world size True.
+            an int is a world size to reshard to after forward: 1 means False, the shard world
+            size True, a divisor ``k`` in between keeps ``1/k`` of the parameters so that backward
+            all-gathers over groups of ``k`` ranks only (creates those groups: collective).
         shard_placement_fn: ``param -> Shard(dim) | None`` to shard a parameter on another dim
-            (that dim must divide evenly by the shard world size).
+            (that dim must divide evenly by the shard world size), e.g. ``Shard(1)``.
         mp_policy: :class:`MixedPrecisionPolicy`.
         offload_policy: :class:`OffloadPolicy` or :class:`CPUOffloadPolicy` (a no-op: parameters
             already live on the CPU).
@@ -69,8 +74,6 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         ValueError: ``module`` was already passed to fully_shard, scalar parameters, mixed dtypes
             in one group, or a bad ``reshard_after_forward``.
         TypeError: arguments of the wrong type.
-        NotImplementedError: a list of modules, or an int ``reshard_after_forward`` strictly
-            between 1 and the shard world size.
 
     Tensor parallelism: parameters that are already DTensors (on a mesh sliced from the same
     root as ``mesh``, e.g. ``mesh["tp"]`` while ``mesh`` is ``root["dp"]``) are sharded as their
@@ -85,31 +88,66 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         opt = torch.optim.AdamW(model.parameters())
         model(x).sum().backward(); opt.step()
     """
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError("fully_shard: grouping a list of modules is not implemented in ringlet; "
-                                  "call fully_shard on their common parent or on each module")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard: module: expected an nn.Module, got {type(module).__name__}")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard: module: expected a module not yet passed to fully_shard, got "  # noqa: TRY004
-                         f"{type(module).__name__} (fully_shard was already applied to it)")
+    modules = _check_modules(module)
+    _check_policies(mp_policy, offload_policy)
+    mesh_info = resolve_mesh(mesh)
+    group = build_group(modules, mesh_info, mp_policy, shard_placement_fn, set(ignored_params or ()))
+    state = FSDPState(modules, group, mp_policy, None)
+    apply_reshard_after_forward(state, reshard_after_forward, "fully_shard")
+    for m in modules:
+        m.__dict__["_fsdp_state"] = state
+        register_state_dict_hooks(m, state)
+        cls = type(m)
+        if cls not in _FSDP_CLASSES:
+            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        m.__class__ = _FSDP_CLASSES[cls]
+    return module
+
+
+def _check_modules(module: Any) -> list[nn.Module]:
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard: module: expected a module or a non-empty list of modules, got an empty list")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard: module: expected an nn.Module, got {type(m).__name__}")
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"fully_shard: module: expected a module not yet passed to fully_shard, got "  # noqa: TRY004
+                             f"{type(m).__name__} (fully_shard was already applied to it)")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard: module: expected distinct modules, got one listed twice")
+    return modules
+
+
+def _check_policies(mp_policy: Any, offload_policy: Any) -> None:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy: expected a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard: offload_policy: expected an OffloadPolicy, got "
                         f"{type(offload_policy).__name__}")
-    mesh_info = resolve_mesh(mesh)
-    raf = normalize_reshard_after_forward(reshard_after_forward, mesh_info.shard_size, "fully_shard")
-    ignored = set(ignored_params or ())
-    group = build_group(module, mesh_info, mp_policy, shard_placement_fn, ignored)
-    state = FSDPState(module, group, mp_policy, raf)
-    module.__dict__["_fsdp_state"] = state
-    register_state_dict_hooks(module, state)
-    cls = type(module)
-    if cls not in _FSDP_CLASSES:
-        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
-    module.__class__ = _FSDP_CLASSES[cls]
-    return module
+
+
+def share_comm_ctx(modules: list[Any]) -> None:
+    """Let several fully_shard roots (pipeline stages) share one communication buffer pool.
+
+    torch shares CUDA streams between the roots; ringlet's per-root state is its pool of
+    gathered and reduce-scatter buffers, which the roots then reuse between them.
+
+    Raises:
+        ValueError: an element is not an :class:`FSDPModule`.
+    """
+    if not modules:
+        return
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"share_comm_ctx: expected a list of FSDPModules, got {type(m).__name__}")  # noqa: TRY004
+    pool = BufferPool()
+    for m in modules:
+        for sub in m._fsdp_modules(True):
+            state = sub._get_fsdp_state()
+            state.shared_pool = pool
+            if state.group is not None:
+                state.group.pool = pool
 
 
 class UnshardHandle:
@@ -125,21 +163,14 @@ class UnshardHandle:
             self._group = None
 
 
-class FSDPModule:
-    """Mixin of every module passed to :func:`fully_shard` (``isinstance(m, FSDPModule)``)."""
+class FSDPModule(FSDPControls):
+    """Mixin of every module passed to :func:`fully_shard` (``isinstance(m, FSDPModule)``).
+
+    The setters (gradient reduction, resharding, communication, prefetch) are in
+    ``_controls.FSDPControls``.
+    """
 
     _fsdp_state: FSDPState
-
-    def _get_fsdp_state(self) -> FSDPState:
-        return self.__dict__["_fsdp_state"]
-
-    def _fsdp_modules(self, recurse: bool) -> Iterable[FSDPModule]:
-        if not recurse:
-            return [self]
-        return [m for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
-
-    def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
-        return [g for m in self._fsdp_modules(recurse) if (g := m._get_fsdp_state().group) is not None]
 
     # -- residency -------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -159,73 +190,6 @@ class FSDPModule:
         group = self._get_fsdp_state().group
         if group is not None:
             group.reshard()
-
-    # -- gradient reduction ----------------------------------------------------------------
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """Turn gradient reduction on/off (off: gradients accumulate unsharded; ``no_sync``)."""
-        for g in self._groups(recurse):
-            g.requires_gradient_sync = bool(requires_gradient_sync)
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: turn the replicate-axis all-reduce on/off (off: reduce-scattered grads accumulate)."""
-        for g in self._groups(recurse):
-            g.requires_all_reduce = bool(requires_all_reduce)
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
-        """Change ``reshard_after_forward`` (see :func:`fully_shard`) at run time."""
-        for m in self._fsdp_modules(recurse):
-            s = m._get_fsdp_state()
-            size = s.group.mesh_info.shard_size if s.group is not None else 1
-            value = normalize_reshard_after_forward(reshard_after_forward, size, "set_reshard_after_forward")
-            s.reshard_after_forward = value
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Whether to free the unsharded parameters after backward (False saves a re-gather)."""
-        for g in self._groups(recurse):
-            g.reshard_after_backward = bool(reshard_after_backward)
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
-            raise ValueError(f"set_gradient_divide_factor: factor: expected a positive number, got {factor!r}")
-        for g in self._groups(False):
-            g.divide_factor = float(factor)
-
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Deprecated spelling of :meth:`set_gradient_divide_factor`."""
-        warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
-                      FutureWarning, stacklevel=2)
-        self.set_gradient_divide_factor(factor)
-
-    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
-        """Call ``hook(output)`` on the reduced gradient shard (after the HSDP all-reduce, if any)."""
-        if not callable(hook):
-            raise TypeError(f"set_all_reduce_hook: hook: expected a callable, got {type(hook).__name__}")
-        for g in self._groups(False):
-            g.all_reduce_hook = hook
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """Whether backward needs this module's parameters (False for e.g. an embedding)."""
-        for g in self._groups(False):
-            g.unshard_in_backward = bool(unshard_in_backward)
-
-    # -- prefetch and events -----------------------------------------------------------------
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Start these modules' all-gathers when this module's forward starts."""
-        self._get_fsdp_state().forward_prefetch = _states(modules, "set_modules_to_forward_prefetch")
-
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Start these modules' all-gathers when this module's backward starts."""
-        self._get_fsdp_state().backward_prefetch = _states(modules, "set_modules_to_backward_prefetch")
-
-    def set_post_optim_event(self, event: Any) -> None:
-        """Accepted for compatibility: on the CPU the optimizer step is done when forward starts."""
-        ctx = self._get_fsdp_state().ctx
-        if ctx is not None:
-            ctx.post_optim_event = event
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for compatibility: every backward waits for its reductions."""
 
     def reset_iter_state(self) -> None:
         """Recover after forward/backward raised: reshard every group and return every state to idle.
@@ -272,15 +236,6 @@ class FSDPModule:
         if group is None:
             return parent_apply()
         return apply_to_group(self, group, fn, parent_apply)  # type: ignore[arg-type]
-
-
-def _states(modules: list[FSDPModule], where: str) -> list[FSDPState]:
-    out = []
-    for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise TypeError(f"{where}: expected FSDPModules, got {type(m).__name__}")
-        out.append(m._get_fsdp_state())
-    return out
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

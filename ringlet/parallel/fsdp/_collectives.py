@@ -31,6 +31,7 @@ from ringlet.parallel.fsdp._shard_math import GroupLayout, copy_in_grads, copy_o
 
 __all__ = [
     "AllGather",
+    "CommOptions",
     "ReduceScatter",
     "all_reduce_replicas",
     "finish_all_gather",
@@ -80,12 +81,35 @@ class BufferPool:
 
 
 @dataclasses.dataclass
+class CommOptions:
+    """How one group communicates (the FSDPModule setters of the same names).
+
+    ``all_gather_comm`` / ``reduce_scatter_comm``: user ``AllGather`` / ``ReduceScatter`` objects
+    (``_comm_api.py``) that allocate the buffers and issue the collective; ``force_sum``: only SUM
+    reductions, scaling separately; ``reduce_scatter_pg``: a group of its own for reduce-scatters
+    (they then overlap all-gathers); ``post_forward_pg``: the smaller group that the parameters
+    are resharded to after forward (``reshard_after_forward`` as an int).
+    """
+
+    all_gather_comm: Any = None
+    reduce_scatter_comm: Any = None
+    force_sum: bool = False
+    reduce_scatter_pg: ProcessGroup | None = None
+    post_forward_pg: ProcessGroup | None = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CommOptions:
+        return dataclasses.replace(self)     # process groups and user comm objects are shared
+
+
+@dataclasses.dataclass
 class AllGather:
     """An issued all-gather: ``gathered`` is filled once ``work`` completes (``work`` None: done)."""
 
     work: Work | None
     gathered: torch.Tensor
     source: torch.Tensor          # kept alive until the transport has read it
+    pooled: bool = True           # ``gathered`` came from the pool (not from a custom comm)
+    source_pooled: bool = False   # ``source`` is a pooled cast copy (mixed precision)
 
 
 @dataclasses.dataclass
@@ -96,71 +120,113 @@ class ReduceScatter:
     source: torch.Tensor
     output: torch.Tensor
     with_grad: list[int]          # indices of the group's params that had a gradient
+    post_scale: float | None = None   # force_sum: multiply the summed output by this
+    pooled: bool = True
 
 
 def start_all_gather(shard_buffer: torch.Tensor, dtype: torch.dtype, layout: GroupLayout, pg: ProcessGroup,
-                     async_op: bool, pool: BufferPool) -> AllGather:
-    """All-gather the shard buffers (cast to ``dtype`` for mixed precision) into a rank-major buffer."""
+                     async_op: bool, pool: BufferPool, comm: Any = None) -> AllGather:
+    """All-gather the shard buffers (cast to ``dtype`` for mixed precision) into a rank-major buffer.
+
+    ``shard_buffer`` may also be a post-forward shard (a block of the rank-major buffer, with
+    ``pg`` the smaller group that holds the other blocks): any source whose pieces, gathered over
+    ``pg`` in group-rank order, make up the rank-major buffer.
+    """
     device = shard_buffer.device
-    if shard_buffer.dtype == dtype:
-        source = shard_buffer
-    else:
-        source = pool.take(layout.shard_numel, dtype, device).copy_(shard_buffer)
+    cast = shard_buffer.dtype != dtype
+    source = pool.take(shard_buffer.numel(), dtype, device).copy_(shard_buffer) if cast else shard_buffer
+    if comm is not None:
+        gathered = comm.allocate((layout.gathered_numel,), dtype=dtype, device=device)
+        return AllGather(comm(gathered, source, pg, async_op=async_op), gathered, source, False, cast)
     gathered = pool.take(layout.gathered_numel, dtype, device)
     work = all_gather_into_tensor(gathered, source, group=pg, async_op=async_op)
-    return AllGather(work, gathered, source)
+    return AllGather(work, gathered, source, True, cast)
 
 
 def wait_all_gather(ag: AllGather, pool: BufferPool, shard_buffer: torch.Tensor) -> None:
     if ag.work is not None:
         ag.work.wait()
         ag.work = None
-    if ag.source is not shard_buffer:
+    if ag.source_pooled:
         pool.give(ag.source)
+        ag.source_pooled = False
 
 
 def finish_all_gather(ag: AllGather, unsharded: torch.Tensor, layout: GroupLayout, pool: BufferPool,
-                      shard_buffer: torch.Tensor) -> None:
-    """Wait for ``ag``, copy every parameter into its view of ``unsharded``, recycle the buffers."""
+                      shard_buffer: torch.Tensor, keep: tuple[int, int] | None = None) -> torch.Tensor | None:
+    """Wait for ``ag``, copy every parameter into its view of ``unsharded``, recycle the buffers.
+
+    ``keep=(start, stop)``: also return a copy of those elements of the rank-major buffer (the
+    post-forward shard, [Note: resharding to a smaller group] in ``_param_group``).
+    """
     wait_all_gather(ag, pool, shard_buffer)
     copy_out(ag.gathered, unsharded, layout)
-    pool.give(ag.gathered)
+    kept = ag.gathered[keep[0]:keep[1]].clone() if keep is not None else None
+    if ag.pooled:
+        pool.give(ag.gathered)
+    return kept
 
 
-def _op(divide_factor: float | None) -> Any:
-    """Average by default; with a factor, multiply every contribution by 1/factor before summing."""
+def _op(divide_factor: float | None, world: int, force_sum: bool) -> tuple[Any, float | None]:
+    """(reduce op, factor to multiply the result by afterwards).
+
+    Average by default; with a factor, every contribution is multiplied by 1/factor before
+    summing; ``force_sum``: a plain SUM and the scaling afterwards.
+    """
+    scale = 1.0 / (divide_factor if divide_factor is not None else world)
+    if force_sum:
+        return ReduceOp.SUM, scale
     if divide_factor is None:
-        return ReduceOp.AVG
-    return _make_nccl_premul_sum(1.0 / divide_factor)
+        return ReduceOp.AVG, None
+    return _make_nccl_premul_sum(scale), None
 
 
 def start_reduce_scatter(grads: Sequence[torch.Tensor | None], layout: GroupLayout, dtype: torch.dtype,
-                         pg: ProcessGroup, divide_factor: float | None, pool: BufferPool) -> ReduceScatter | None:
+                         pg: ProcessGroup, divide_factor: float | None, pool: BufferPool,
+                         opts: CommOptions | None = None, always: bool = False) -> ReduceScatter | None:
     """Reduce-scatter the unsharded gradients ``grads`` (None: no gradient) asynchronously.
 
     Returns None when no parameter has a gradient (then nothing is issued; ranks agree,
-    since every rank ran the same forward and backward).
+    since every rank ran the same forward and backward) unless ``always`` (zeros are reduced:
+    ``set_reduce_scatter_unused_params``).
     """
     with_grad = [i for i, g in enumerate(grads) if g is not None]
-    if not with_grad:
+    if not with_grad and not always:
         return None
-    device = next(g for g in grads if g is not None).device
+    opts = opts or CommOptions()
+    device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+    op, post_scale = _op(divide_factor, pg.size(), opts.force_sum)
+    output = torch.empty(layout.shard_numel, dtype=dtype, device=device)
+    comm = opts.reduce_scatter_comm
+    if comm is not None:
+        source = comm.allocate((layout.gathered_numel,), dtype=dtype, device=device)
+        copy_in_grads(source, grads, layout)
+        work = comm(output, source, pg, op, async_op=True)
+        return ReduceScatter(work, source, output, with_grad, post_scale, pooled=False)
     source = pool.take(layout.gathered_numel, dtype, device)
     copy_in_grads(source, grads, layout)
-    output = torch.empty(layout.shard_numel, dtype=dtype, device=device)
-    work = reduce_scatter_tensor(output, source, op=_op(divide_factor), group=pg, async_op=True)
-    return ReduceScatter(work, source, output, with_grad)
+    work = reduce_scatter_tensor(output, source, op=op, group=pg, async_op=True)
+    return ReduceScatter(work, source, output, with_grad, post_scale)
 
 
 def finish_reduce_scatter(rs: ReduceScatter, pool: BufferPool) -> torch.Tensor:
     if rs.work is not None:
         rs.work.wait()
         rs.work = None
-    pool.give(rs.source)
+    if rs.pooled:
+        pool.give(rs.source)
+    if rs.post_scale is not None:
+        rs.output.mul_(rs.post_scale)
     return rs.output
 
 
-def all_reduce_replicas(output: torch.Tensor, pg: ProcessGroup, divide_factor: float | None) -> None:
+def all_reduce_replicas(output: torch.Tensor, pg: ProcessGroup, divide_factor: float | None,
+                        force_sum: bool = False) -> None:
     """HSDP's second step: all-reduce the reduce-scattered shard over the replicate axis."""
-    op = ReduceOp.AVG if divide_factor is None else ReduceOp.SUM
-    all_reduce(output, op=op, group=pg)
+    if divide_factor is not None:
+        all_reduce(output, op=ReduceOp.SUM, group=pg)
+    elif force_sum:
+        all_reduce(output, op=ReduceOp.SUM, group=pg)
+        output.div_(pg.size())
+    else:
+        all_reduce(output, op=ReduceOp.AVG, group=pg)

@@ -38,9 +38,10 @@ class IterationContext:
     @staticmethod
     def lazy_init(state: FSDPState) -> None:
         """Make ``state`` the root of every fully_shard module under it (first forward only)."""
-        states = [s for m in state.module.modules() if isinstance(s := m.__dict__.get("_fsdp_state"), FSDPState)]
+        found = [s for m in state.module.modules() if isinstance(s := m.__dict__.get("_fsdp_state"), FSDPState)]
+        states = list({id(s): s for s in found}.values())      # grouped modules share one state
         ctx = IterationContext(state, states)
-        pool = BufferPool()
+        pool = getattr(state, "shared_pool", None) or BufferPool()   # share_comm_ctx
         for s in states:
             s.ctx = ctx
             s.is_root = s is state

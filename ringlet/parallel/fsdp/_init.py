@@ -67,10 +67,10 @@ def _shard_dim(fn: Callable[[nn.Parameter], Any] | None, p: nn.Parameter, fqn: s
     return dim + p.dim() if dim < 0 else dim
 
 
-def build_group(module: nn.Module, mesh_info: MeshInfo, mp_policy: MixedPrecisionPolicy,
+def build_group(modules: list[nn.Module], mesh_info: MeshInfo, mp_policy: MixedPrecisionPolicy,
                 shard_placement_fn: Callable[[nn.Parameter], Any] | None,
                 ignored: set[nn.Parameter]) -> FSDPParamGroup | None:
-    """Shard ``module``'s (remaining) parameters into one group; None if it has none.
+    """Shard the (remaining) parameters of ``modules`` into one group; None if they have none.
 
     A parameter that is already a DTensor (tensor parallelism) is sharded as its local tensor
     and becomes a DTensor on the combined data x tensor parallel mesh (``_tp.py``).
@@ -80,10 +80,15 @@ def build_group(module: nn.Module, mesh_info: MeshInfo, mp_policy: MixedPrecisio
             an uneven split on a non-zero shard dim, or a DTensor parameter whose mesh does not
             combine with fully_shard's.
     """
-    entries = collect_params(module, ignored)
+    entries, homes = [], []
+    for m in modules:            # a parameter shared by two of the modules is sharded once
+        found = collect_params(m, set(ignored) | {e[0] for e in entries})
+        entries += found
+        homes += [m] * len(found)
     if not entries:
         return None
-    name = type(module).__name__
+    module = modules[0]
+    name = "+".join(type(m).__name__ for m in modules)
     for p, _, fqns in entries:
         if p.dim() == 0:
             raise ValueError(f"fully_shard({name}): {fqns[0]}: expected a parameter with at least 1 dim, got a "
@@ -106,6 +111,7 @@ def build_group(module: nn.Module, mesh_info: MeshInfo, mp_policy: MixedPrecisio
     with torch.no_grad():
         for i, ((p, owners, fqns), spec, local, tp) in enumerate(zip(entries, layout.specs, locals_, tps)):
             fp = FSDPParam(i, spec, owners, fqns, p.requires_grad, mesh_info, tp)
+            fp.home = homes[i]   # the fully_shard module whose state dict names it (fqns are relative to it)
             if p.device.type != "meta":
                 fp.local_view(shard_buffer).copy_(shard_of(local.detach(), spec, mesh_info.shard_rank))
             fp.bind_sharded(shard_buffer)
@@ -120,13 +126,13 @@ def _tp_of(p: nn.Parameter, mesh_info: MeshInfo, dim: int, fqn: str) -> TPLayout
     return tp_layout(p, mesh_info.mesh, mesh_info.placements(dim), dim, fqn)
 
 
-def normalize_reshard_after_forward(value: Any, shard_size: int, where: str) -> bool | None:
-    """``None``/bool pass through; an int is a post-forward world size: 1 means False, the full size True.
+def normalize_reshard_after_forward(value: Any, shard_size: int, where: str) -> bool | int | None:
+    """``None``/bool pass through; an int is a post-forward world size: 1 means False, the full size True,
+    a proper divisor stays an int ([Note: resharding to a smaller group] in ``_param_group``).
 
     Raises:
         TypeError: not None, a bool or an int.
         ValueError: an int that does not divide the shard world size.
-        NotImplementedError: a proper divisor (resharding onto a smaller mesh after forward).
     """
     if value is None or isinstance(value, bool):
         return value
@@ -139,6 +145,4 @@ def normalize_reshard_after_forward(value: Any, shard_size: int, where: str) -> 
         return False
     if value == shard_size:
         return True
-    raise NotImplementedError(f"{where}: reshard_after_forward={value}: resharding onto a {value}-rank mesh after "
-                              f"forward is not implemented in ringlet (CPU ranks share one memory tier); "
-                              f"use True (reshard to {shard_size}) or False")
+    return value

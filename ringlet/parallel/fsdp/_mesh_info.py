@@ -8,13 +8,14 @@ reduce-scattered over the shard axis and then all-reduced over the replicate axi
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from ringlet.c10d.group import ProcessGroup
 from ringlet.dtensor import Replicate, Shard
 from ringlet.mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MeshInfo", "resolve_mesh"]
+__all__ = ["MeshInfo", "resolve_mesh", "subgroups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,3 +74,38 @@ def resolve_mesh(mesh: Any) -> MeshInfo:
         rep, shard = mesh.get_group(0), mesh.get_group(1)
         return MeshInfo(mesh, shard, shard.rank(), shard.size(), rep, rep.size())
     raise ValueError(f"fully_shard: mesh: expected a 1-d (FSDP) or 2-d (HSDP) mesh, got {mesh.ndim} axes")
+
+
+def subgroups(info: MeshInfo, size: int, kind: str) -> ProcessGroup:
+    """This rank's group among new groups of ``size`` consecutive shard ranks (collective, cached).
+
+    Every line of the shard axis, across the whole root mesh, is cut into blocks of ``size``
+    ranks (sorted, as group ranks are) and each block gets a new group, on every rank in the
+    same order (``new_group`` is collective over the world), so every rank must make the same
+    calls.  ``kind`` keeps groups of different purposes apart (``"post_forward"``: resharding to
+    a smaller group; ``"reduce_scatter"``: a separate group for reduce-scatters, ``size`` = the
+    shard size).  Cached per root mesh.
+    """
+    from ringlet.c10d.world import current_world, new_group
+
+    mesh = info.mesh
+    root, axes = mesh._root, mesh._axes[-1]
+    cache = root.__dict__.setdefault("_ringlet_fsdp_subgroups", {})
+    key = (kind, axes, size)
+    if key in cache:
+        return cache[key]
+    me = current_world().rank
+    others = [a for a in range(root.ndim) if a not in axes]
+    lines = root.mesh.permute(others + list(axes)).reshape(-1, math.prod(root.shape[a] for a in axes))
+    mine = None
+    for line in lines.tolist():
+        ranks = sorted(line)
+        for start in range(0, len(ranks), size):
+            block = ranks[start:start + size]
+            group = new_group(block, group_desc=f"fully_shard {kind} {block}")
+            if me in block:
+                mine = group
+    if mine is None:
+        raise AssertionError(f"fully_shard: rank {me} is in none of the {kind} groups of {root!r}")
+    cache[key] = mine
+    return mine

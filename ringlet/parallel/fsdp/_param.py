@@ -43,6 +43,7 @@ class FSDPParam:
         self.requires_grad = requires_grad
         self.mesh_info = mesh_info
         self.tp = tp                            # set for a tensor-parallel (DTensor) parameter
+        self.home: nn.Module | None = None      # the fully_shard module its fqns are relative to
         self.sharded_param: nn.Parameter = None  # type: ignore[assignment]  # set by bind_sharded
         self.unsharded_param: nn.Parameter | None = None
         # Unsharded gradient kept (in the reduce dtype) while gradient sync is off.

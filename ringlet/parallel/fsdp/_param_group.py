@@ -7,6 +7,15 @@ local tensors are views into it, [Note: aliasing] in ``_param``) and the *unshar
 with one ``all_gather_into_tensor``; ``reshard`` frees it by resizing its storage to 0.
 ``post_backward`` reduce-scatters every gradient with one ``reduce_scatter_tensor`` (and, for
 HSDP, one ``all_reduce``) and adds the result into the sharded ``.grad`` DTensors.
+
+[Note: resharding to a smaller group]
+``reshard_after_forward=k`` (``1 < k < N`` dividing the shard world size ``N``): shard ranks
+form groups of ``k`` consecutive ranks (``_mesh_info.subgroups``).  When a forward unshards, each
+rank also keeps block ``j`` (its rank in its ``k``-group) of the rank-major gathered buffer,
+``N / k`` shards long: the *post-forward shard*.  After forward the unsharded parameters are
+freed as usual (the sharded ones are registered), and the backward unshard all-gathers the
+post-forward shards over the ``k``-group, whose blocks make up the whole rank-major buffer: a
+smaller, faster all-gather for ``1/k`` of the unsharded memory kept.
 """
 
 from __future__ import annotations
@@ -62,6 +71,11 @@ class FSDPParamGroup:
         self.unshard_in_backward = True
         self.divide_factor: float | None = None
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.comm = C.CommOptions()
+        self.reduce_scatter_unused_params = False
+        self.unshard_async_op = False
+        self.allocate_from_process_group = False
+        self._post_forward_shard: torch.Tensor | None = None   # [Note: resharding to a smaller group]
 
     def __repr__(self) -> str:
         return (f"FSDPParamGroup({type(self.module).__name__}, {len(self.params)} params, "
@@ -110,8 +124,14 @@ class FSDPParamGroup:
                 raise RuntimeError(f"fully_shard({type(self.module).__name__}): expected materialised parameters, "
                                    f"got parameters on the meta device; call module.to_empty(device='cpu') "
                                    f"and initialise them (e.g. reset_parameters()) first")
-            self._pending_unshard = C.start_all_gather(self.shard_buffer, self.param_dtype, self.layout,
-                                                       self.mesh_info.shard_group, async_op, self.pool)
+            pf = self._post_forward_shard
+            if pf is not None and self.comm.post_forward_pg is not None:
+                self._pending_unshard = C.start_all_gather(pf, self.param_dtype, self.layout,
+                                                           self.comm.post_forward_pg, async_op, self.pool)
+            else:
+                self._pending_unshard = C.start_all_gather(self.shard_buffer, self.param_dtype, self.layout,
+                                                           self.mesh_info.shard_group, async_op, self.pool,
+                                                           self.comm.all_gather_comm)
         if async_op:
             return True
         self.wait_for_unshard()
@@ -124,17 +144,30 @@ class FSDPParamGroup:
             return
         self._pending_unshard = None
         unsharded = self._alloc_unsharded()
-        C.finish_all_gather(ag, unsharded, self.layout, self.pool, self.shard_buffer)
+        pf_pg = self.comm.post_forward_pg
+        keep = None
+        if pf_pg is not None and self._post_forward_shard is None:
+            block = self.layout.gathered_numel // pf_pg.size()
+            keep = (pf_pg.rank() * block, (pf_pg.rank() + 1) * block)
+        kept = C.finish_all_gather(ag, unsharded, self.layout, self.pool, self.shard_buffer, keep)
+        self._post_forward_shard = kept if kept is not None else self._post_forward_shard
         self._transition(ShardedState.SHARDED, ShardedState.UNSHARDED, "unshard")
         for p in self.params:
             p.register(p.unsharded_param)  # type: ignore[arg-type]
 
-    def reshard(self) -> None:
-        """Register the sharded parameters and free the unsharded buffer (idempotent)."""
+    def reshard(self, post_forward: bool = False) -> None:
+        """Register the sharded parameters and free the unsharded buffer (idempotent).
+
+        ``post_forward``: keep the post-forward shard for the backward all-gather, if there is
+        one ([Note: resharding to a smaller group]); otherwise it is dropped too.
+        """
         if self._pending_unshard is not None:
             ag, self._pending_unshard = self._pending_unshard, None
             C.wait_all_gather(ag, self.pool, self.shard_buffer)   # nobody waited for it: let it finish
-            self.pool.give(ag.gathered)
+            if ag.pooled:
+                self.pool.give(ag.gathered)
+        if not post_forward:
+            self._post_forward_shard = None
         if self.sharded_state is ShardedState.SHARDED:
             return
         self._transition(ShardedState.UNSHARDED, ShardedState.SHARDED, "reshard")
@@ -172,6 +205,7 @@ class FSDPParamGroup:
             if current is not p.sharded_param and current is not None:
                 p.adopt(current, self.shard_buffer)
                 p.register(p.sharded_param)
+                self._post_forward_shard = None        # stale: the user set new values
 
     # -- gradients -------------------------------------------------------------------------
     def post_backward(self) -> None:
@@ -184,8 +218,12 @@ class FSDPParamGroup:
                     p.stash_unsharded_grad(rd)
         else:
             grads = [p.take_unsharded_grad(rd) if p.requires_grad else None for p in self.params]
-            self._pending_reduce = C.start_reduce_scatter(grads, self.layout, rd, self.mesh_info.shard_group,
-                                                          self.divide_factor, self.pool)
+            pg = self.comm.reduce_scatter_pg or self.mesh_info.shard_group
+            rs = C.start_reduce_scatter(grads, self.layout, rd, pg, self.divide_factor, self.pool, self.comm,
+                                        always=self.reduce_scatter_unused_params)
+            if rs is not None and self.reduce_scatter_unused_params:
+                rs.with_grad = [i for i, p in enumerate(self.params) if p.requires_grad]
+            self._pending_reduce = rs
         if self.reshard_after_backward:
             self.reshard()
 
@@ -208,7 +246,8 @@ class FSDPParamGroup:
             if not self.requires_all_reduce:
                 self._partial_reduce, self._partial_with_grad = out, with_grad
                 return
-            C.all_reduce_replicas(out, self.mesh_info.replicate_group, self.divide_factor)  # type: ignore[arg-type]
+            C.all_reduce_replicas(out, self.mesh_info.replicate_group, self.divide_factor,  # type: ignore[arg-type]
+                                  self.comm.force_sum)
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(out)
         if out.dtype != self.orig_dtype:

@@ -3,7 +3,8 @@
 [Note: FSDP and autograd]
 - forward pre-hook: unshard the group (finishing a prefetched all-gather), prefetch the next
   group, cast inputs, and pass the inputs that require grad through ``_PostBackward``.
-- forward hook: reshard (``reshard_after_forward``), cast outputs, and register a tensor hook
+- forward hook: reshard (``reshard_after_forward``; an int keeps a post-forward shard, see
+  [Note: resharding to a smaller group] in ``_param_group``), cast outputs, and register a tensor hook
   on every output that requires grad: the *pre-backward* hook.  A tensor hook runs before
   the output's grad_fn, i.e. before any of the module's backward ops: the group is
   re-gathered (and the previous group in forward order prefetched) just in time.
@@ -15,6 +16,13 @@
   *final callback* (queued on the autograd engine by the first backward hook of a backward)
   post-backwards every group that still holds unsharded gradients, in a fixed order, waits for
   every reduction and returns every state to IDLE.
+
+[Note: grouped modules]
+``fully_shard([a, b])`` gives several modules one state and one group: hooks on each module,
+the group's forward begins at the first of them to run (unshard, prefetch) and ends when all
+of them ran (reshard), or, for those that never run, at the end of the root's forward.  A
+module of the group called on its own outside the root's forward (a chunked loss head) is a
+forward of its own.
 """
 
 from __future__ import annotations
@@ -75,9 +83,10 @@ class _PostBackward(torch.autograd.Function):
 class FSDPState:
     """The hooks and training state of one ``fully_shard(module)`` call."""
 
-    def __init__(self, module: nn.Module, group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy,
-                 reshard_after_forward: bool | None) -> None:
-        self.module = module
+    def __init__(self, modules: list[nn.Module], group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy,
+                 reshard_after_forward: bool | int | None) -> None:
+        self.modules = modules                                # [Note: grouped modules]
+        self.module = modules[0]
         self.group = group
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward   # None: True unless this is the root
@@ -87,17 +96,18 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, else implicit order
         self.backward_prefetch: list[FSDPState] | None = None
         self.method_depth = 0                                 # inside a registered forward method
-        self._handles = [
-            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
-            module.register_forward_hook(self._post_forward_hook, prepend=False),
-        ]
+        self._to_run: set[int] = set()                        # grouped modules yet to run this forward
+        self._handles = []
+        for m in modules:
+            self._handles += [m.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
+                              m.register_forward_hook(self._post_forward_hook, prepend=False)]
 
     def __repr__(self) -> str:
         return f"FSDPState({self.name}, {self.training_state.value}, root={self.is_root})"
 
     @property
     def name(self) -> str:
-        return type(self.module).__name__
+        return "+".join(type(m).__name__ for m in self.modules)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FSDPState:
         """A copy that is not initialised as anyone's root ([Note: copying a fully_shard module]).
@@ -139,12 +149,38 @@ class FSDPState:
                           kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.method_depth and self.training_state is _T.FORWARD:   # forward() called by e.g. generate()
             return args, kwargs
-        return self.pre_forward(args, kwargs)
+        if len(self.modules) > 1 and self.training_state is _T.FORWARD:
+            return self._join_group_forward(args, kwargs)            # [Note: grouped modules]
+        out = self.pre_forward(args, kwargs)
+        if len(self.modules) > 1 and self.training_state is _T.FORWARD:
+            root = self.context().root
+            inside = root is not self and root.training_state is _T.FORWARD
+            self._to_run = {id(m) for m in self.modules} if inside else {id(module)}
+        return out
 
     def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.method_depth and self.training_state is _T.FORWARD:
             return output
+        if len(self.modules) > 1 and self.training_state is _T.FORWARD:
+            self._to_run.discard(id(module))
+            if self._to_run:                      # other modules of the group still to run
+                return self._finish_output(output)
         return self.post_forward(output)
+
+    def _join_group_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """A further module of a grouped fully_shard runs in the group's forward."""
+        self._unshard_now()
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast((args, kwargs), self.mp_policy.param_dtype)
+        if torch.is_grad_enabled():
+            args, kwargs = self._wrap_inputs(args, kwargs)
+        return args, kwargs
+
+    def complete_forward(self) -> None:
+        """The root's forward ended before every module of this group ran: end the group's forward."""
+        if self.training_state is _T.FORWARD:
+            self._to_run.clear()
+            self._end_forward()
 
     def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.ctx is None:
@@ -158,6 +194,8 @@ class FSDPState:
         if self.is_root:
             ctx.root_pre_forward()
         self.transition(_T.FORWARD, "pre-forward")
+        if self.group is not None:
+            self.group._post_forward_shard = None   # kept only from this forward's unshard
         self._unshard_now()
         ctx.record_forward(self)
         ctx.prefetch(self, self.forward_prefetch, forward=True)
@@ -170,10 +208,21 @@ class FSDPState:
     def post_forward(self, output: Any) -> Any:
         if self.training_state in (_T.PRE_BACKWARD, _T.POST_BACKWARD):
             return output
+        self._end_forward()
+        return self._finish_output(output)
+
+    def _end_forward(self) -> None:
+        if self.is_root:
+            for s in self.context().states:
+                if s is not self:
+                    s.complete_forward()
         if self.group is not None and self._reshard_after_forward():
-            self.group.reshard()
+            self.group.reshard(post_forward=isinstance(self.reshard_after_forward, int)
+                               and not isinstance(self.reshard_after_forward, bool))
         self.context().record_post_forward(self)
         self.transition(_T.IDLE, "post-forward")
+
+    def _finish_output(self, output: Any) -> Any:
         if self.mp_policy.output_dtype is not None:
             output = _cast(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled():

@@ -30,7 +30,7 @@ __all__ = ["apply_to_group", "register_state_dict_hooks"]
 def register_state_dict_hooks(module: nn.Module, state: FSDPState) -> None:
     module.register_state_dict_pre_hook(lambda m, prefix, keep_vars: _pre_state_dict(state))
     module._register_load_state_dict_pre_hook(
-        lambda sd, prefix, *rest: _pre_load(state, sd, prefix))
+        lambda m, sd, prefix, *rest: _pre_load(state, sd, prefix, m), with_module=True)
     module.register_load_state_dict_post_hook(lambda m, incompatible: _post_load(state))
 
 
@@ -39,13 +39,15 @@ def _pre_state_dict(state: FSDPState) -> None:
         state.group.reshard()
 
 
-def _pre_load(state: FSDPState, sd: dict[str, Any], prefix: str) -> None:
+def _pre_load(state: FSDPState, sd: dict[str, Any], prefix: str, module: nn.Module) -> None:
     group = state.group
     if group is None:
         return
     group.finish_reduce()
     group.reshard()
     for p in group.params:
+        if p.home is not None and p.home is not module:
+            continue            # grouped fully_shard([a, b]): b's hook handles b's parameters
         placements = tuple(p.dtensor_placements)
         for fqn in p.fqns:
             key = prefix + fqn
