@@ -71,7 +71,8 @@ def max_diff(ours: nn.Module, ref: nn.Module, grads: bool) -> float:
 
 def train_pair(model: nn.Module, ref: nn.Module, batches: list[Any], loss_fn: Callable[..., torch.Tensor],
                foreach: bool, loss_ctx: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
-    """AdamW steps on both models; the first step's collectives and gradients are recorded."""
+    """AdamW steps on both models (with ``foreach``, after ``clip_grad_norm_``); the first step's
+    collectives and gradients are recorded."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=foreach)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=foreach)
     out: dict[str, Any] = {"losses": [], "ref_losses": []}
@@ -90,6 +91,11 @@ def train_pair(model: nn.Module, ref: nn.Module, batches: list[Any], loss_fn: Ca
         if step == 0:
             out["comms"] = (fwd.get_comm_counts(), loss_comm.get_comm_counts(), bwd.get_comm_counts())
             out["grad_diff"] = max_diff(model, ref, grads=True)
+        if foreach:         # every parameter a DTensor: clip the global norm (one all-reduce)
+            with CommDebugMode() as clip:
+                norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            out.setdefault("norms", []).append((float(full(norm)), float(ref_norm), clip.get_comm_counts()))
         opt.step()
         ropt.step()
         opt.zero_grad()
@@ -152,6 +158,7 @@ def torch_tp_losses(tmp: str, rank: int, n: int, steps: int) -> list[float]:
                 loss = lm_loss(model(x), y)
                 loss.backward()
             losses.append(float(loss.full_tensor().detach()))
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
         return losses

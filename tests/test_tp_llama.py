@@ -24,6 +24,9 @@ def test_ten_adamw_steps_match_one_rank(sp: bool) -> None:
         assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-5)
         assert r["grad_diff"] < 1e-5 and r["param_diff"] < 1e-4, (r["grad_diff"], r["param_diff"])
         fwd, loss, bwd = r["comms"]
+        assert len(r.get("norms", [])) == (10 if sp else 0)
+        for norm, ref_norm, comm in r.get("norms", []):             # clip_grad_norm_: one all-reduce
+            assert norm == pytest.approx(ref_norm, rel=1e-5) and comm == {"all_reduce": 1}
         if sp:
             # an all-gather into and a reduce-scatter out of every parallel region (2 per block,
             # plus the embedding's reduce-scatter and the head's all-gather); the norms' weight
