@@ -9,6 +9,7 @@ Implementation packages behind the public torch-mirror modules:
 - ``ringlet.parallel.sampler``: ``DistributedSampler``
 - ``ringlet.parallel.zero``: ``ZeroRedundancyOptimizer``
 - ``ringlet.parallel.fsdp``: ``fully_shard``, ``FSDPModule``, ``UnshardHandle``, mixed precision and offload policies
+- ``ringlet.parallel.tensor_parallel``: ``parallelize_module``, the parallel styles, ``loss_parallel``
 """
 
 from ringlet.parallel.ddp import DistributedDataParallel, GradBucket
