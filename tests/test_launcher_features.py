@@ -294,7 +294,7 @@ def test_launcher_blocks_while_its_workers_run(tmp_path: Path) -> None:
     every --monitor-interval (0.1 s by default) while nothing happens."""
     (tmp_path / "job.py").write_text(_SLEEPS)
     with _launcher(tmp_path, "--nproc-per-node", "2", str(tmp_path / "job.py"), str(tmp_path)) as proc:
-        _wait_for(lambda: len(list(tmp_path.glob("pid*"))) == 2)
+        _wait_for(lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid1").exists())
         time.sleep(0.3)
         before = _voluntary_switches(proc.pid)
         time.sleep(1.0)
