@@ -16,6 +16,7 @@
 | ``RINGLET_STRAGGLER_REPORT`` | seconds between per-rank straggler lines logged by the watchdog (0: off) | 0 |
 | ``RINGLET_IFNAME`` | network interface the tcp transport listens on (default: the one that reaches the store) | unset |
 | ``RINGLET_TCP_CHUNK_BYTES`` | pipelining chunk of the tcp transport's large-message algorithms | 1 MiB |
+| ``RINGLET_NO_FUTEX`` | ``1``: shared-memory waits back off on timers instead of sleeping on a futex (for tests and comparisons) | 0 |
 | ``RINGLET_FAULT`` | test-only fault injection, e.g. ``rank=1;at=collective:seq=5;do=sigkill`` | unset |
 | ``RINGLET_CKPT_FAULT`` | test-only: ``rank=1;after_bytes=N;do=sigkill`` kills that rank N bytes into writing its checkpoint shard | unset |
 
@@ -37,8 +38,8 @@ from datetime import timedelta
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_SLOT_BYTES = 1 << 20
-DEFAULT_TCP_CHUNK_BYTES = 1 << 20
 DEFAULT_BUFFER_BYTES = 16 << 30
+DEFAULT_TCP_CHUNK_BYTES = 1 << 20
 
 
 def timeout_seconds() -> float:
@@ -92,7 +93,6 @@ def shm_slot_bytes() -> int:
     return value
 
 
-def safe_objects() -> bool:
 def shm_buffer_bytes() -> int:
     """``RINGLET_SHM_BUFFER_BYTES``: per-rank reservation of a group's buffer heap (0: none)."""
     raw = os.environ.get("RINGLET_SHM_BUFFER_BYTES", "").strip()
@@ -104,6 +104,7 @@ def shm_buffer_bytes() -> int:
     return value
 
 
+def safe_objects() -> bool:
     return os.environ.get("RINGLET_SAFE_OBJECTS", "0") not in ("", "0", "false", "False")
 
 
@@ -123,6 +124,11 @@ def heartbeat_timeout() -> float:
 
 def agent_store() -> bool:
     return os.environ.get("RINGLET_AGENT_STORE", "0") not in ("", "0")
+
+
+def no_futex() -> bool:
+    """``RINGLET_NO_FUTEX=1``: arena waits never sleep on a futex (the timer back-off instead)."""
+    return os.environ.get("RINGLET_NO_FUTEX") == "1"
 
 
 def fault_spec() -> str | None:
