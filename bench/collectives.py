@@ -5,8 +5,15 @@ Usage::
     python bench/collectives.py [--ranks 2]
         [--ops all_reduce,broadcast,all_gather_into_tensor,reduce_scatter_tensor]
         [--min-bytes 8] [--max-bytes 256M] [--factor 4] [--repeats 5] [--backend shm|tcp|auto]
-        [--hosts 1 [--link-rate 1gbit]] [--quick] [--load N] [--markdown out.md] [--op-timeout 120]
-        [--timeout SECONDS]
+        [--buffers plain,arena] [--no-floor] [--hosts 1 [--link-rate 1gbit]] [--quick] [--load N]
+        [--markdown out.md] [--op-timeout 120] [--timeout SECONDS]
+
+``--buffers`` picks ringlet's tensors: ``plain`` (ordinary tensors, copied through the arena's
+slots), ``arena`` (``ringlet.distributed.comm_buffer``: in the group's shared memory, read by the
+peers in place), or both (the default: two ringlet columns, ``ringlet`` and ``arena``).  gloo
+always gets ordinary tensors.  Each size also gets its *memory floor* (``bench/_floor.py``: the
+single-process adds and copies of the bytes the collective must move, run by every rank at once)
+and every ringlet column's fraction of it (``--no-floor`` skips it).
 
 ``--backend tcp`` runs ringlet's tcp transport on loopback.  ``--hosts H`` (root, ``ip``) runs
 ``--ranks`` ranks on each of ``H`` simulated hosts (network namespaces on a bridge; see
@@ -30,14 +37,18 @@ Definitions (as in nccl-tests):
   (output = size/ranks).  Sizes run from ``--min-bytes`` by ``--factor`` up to ``--max-bytes``
   (which is always measured); ``--quick`` measures 8 B, 4 KiB, 64 KiB, 1 MiB and 16 MiB
   (those within the bounds).
-- latency: per size and library, a warm-up, then ``iters`` back-to-back calls (enough for
-  ~0.2 s, at least 3) after a barrier; one repeat's time is the slowest rank's mean time per
-  call; the reported latency is the median over ``--repeats`` repeats.  Repeats alternate
-  which library goes first, so both share the machine's noise.
+- latency (*batch*): per size and library, a warm-up, then ``iters`` back-to-back calls (enough
+  for ~0.2 s, at least 3) started after a barrier; one repeat's time is the slowest rank's mean
+  time per call; the reported latency is the median over ``--repeats`` repeats.  Repeats
+  alternate which library goes first, so both share the machine's noise.
+- *call*: in the same batches, each call is timed on its own; a repeat's value is the slowest
+  rank's median call, the reported one the median over repeats (no barrier start, no outliers:
+  the cost of one call in a loop that issues them back to back).
 - algbw = size / latency; busbw = algbw * factor, factor = 2(n-1)/n for all_reduce,
   (n-1)/n for all_gather/reduce_scatter, 1 for broadcast.  GB/s = 1e9 bytes/s.
 - ratio = gloo latency / ringlet latency: above 1 means ringlet is faster.  Each op ends
-  with the minimum ratio over sizes >= 64 KiB.
+  with the minimum ratio over sizes >= 64 KiB, and the lowest fraction of the floor at >= 1 MiB.
+- floor busbw = busbw at the memory floor's time; "% floor" = floor time / latency.
 """
 
 from __future__ import annotations
@@ -53,10 +64,14 @@ from datetime import timedelta
 from typing import Any
 
 import _common as common
+import _floor
 import torch
 
 OPS = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+BUFFERS = ("plain", "arena")
+LIB_OF_BUFFERS = {"plain": "ringlet", "arena": "arena"}
 LIBS = ("ringlet", "gloo")
+FLOOR_MIN_BYTES = common.MIB    # the summary's fraction of the floor: sizes from here up
 QUICK_SIZES = (8, 4 * common.KIB, 64 * common.KIB, common.MIB, 16 * common.MIB)
 TARGET_S = 0.2            # one repeat's length per library and size
 SUMMARY_MIN_BYTES = 64 * common.KIB
@@ -84,6 +99,8 @@ class Config:
     hosts: int = 1              # > 1: simulated hosts, --ranks per host (bench/_hosts.py)
     load: int = 0               # busy processes running beside the ranks (--load)
     link_rate: str | None = None    # --hosts: tc tbf rate of every host's link, e.g. "1gbit"
+    buffers: tuple[str, ...] = BUFFERS   # ringlet's tensors: ordinary, comm_buffer, or both
+    floor: bool = True              # measure the memory floor of every size
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.ranks < (1 if self.hosts > 1 else 2):
@@ -95,12 +112,21 @@ class Config:
             raise ValueError("expected at least one size between --min-bytes and --max-bytes")
         if self.repeats < 1:
             raise ValueError(f"expected --repeats >= 1, got {self.repeats}")
+        if not self.buffers or any(b not in BUFFERS for b in self.buffers):
+            raise ValueError(f"expected --buffers from {','.join(BUFFERS)}, got {','.join(self.buffers)!r}")
         if self.op_timeout <= 0 or self.timeout <= 0:
             raise ValueError(f"expected positive timeouts, got {self.op_timeout}, {self.timeout}")
 
     @property
     def libs(self) -> tuple[str, ...]:
-        return ("auto", "tcp", "gloo") if self.hosts > 1 else LIBS
+        if self.hosts > 1:
+            return ("auto", "tcp", "gloo")
+        return (*[LIB_OF_BUFFERS[b] for b in self.buffers], "gloo")
+
+    @property
+    def mine(self) -> tuple[str, ...]:
+        """The ringlet columns (every library but the peer, gloo)."""
+        return self.libs[:-1]
 
     @property
     def world(self) -> int:
@@ -116,6 +142,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--factor", type=int, default=4, help="size step (default 4x)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="shm", help="ringlet backend: shm (default), tcp, auto")
+    p.add_argument("--buffers", default=",".join(BUFFERS),
+                   help="ringlet's tensors: plain (ordinary), arena (comm_buffer), or both (default)")
+    p.add_argument("--no-floor", action="store_true", help="skip the memory floor measurement")
     p.add_argument("--hosts", type=int, default=1,
                    help="simulated hosts (network namespaces; root): --ranks per host, auto vs tcp vs gloo")
     p.add_argument("--link-rate", default=None, metavar="RATE",
@@ -138,7 +167,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         return Config(ranks=a.ranks, ops=ops, sizes=tuple(sizes), repeats=a.repeats,
                       backend="auto" if a.hosts > 1 else a.backend, op_timeout=a.op_timeout,
                       timeout=timeout, markdown=a.markdown, hosts=a.hosts, link_rate=a.link_rate,
-                      load=a.load)
+                      load=a.load, buffers=tuple(b.strip() for b in a.buffers.split(",") if b.strip()),
+                      floor=not a.no_floor)
     except ValueError as e:
         p.error(str(e))
         raise  # unreachable: p.error exits
@@ -155,20 +185,27 @@ def _rank_main(rank: int, n: int, cfg: Config, gloo_init: str) -> list[dict[str,
 
     tdist.init_process_group("gloo", init_method=gloo_init, rank=rank, world_size=n,
                              timeout=timedelta(seconds=cfg.op_timeout))
-    libs = {"ringlet": rdist, "gloo": tdist}
+    libs = {"ringlet": rdist, "arena": rdist, "gloo": tdist}
     try:
         return [bench_size(cfg, op, size, rank, n, libs) for op in cfg.ops for size in cfg.sizes]
     finally:
         tdist.destroy_process_group()
 
 
-def _buffers(op: str, size: int, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _buffers(op: str, size: int, n: int,
+             alloc: Callable[[int], torch.Tensor] = torch.zeros) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the size-bytes tensor, the size/n one if the op has one); zeros stay zeros under SUM."""
     count = max(1, size // 4)
     if op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
         count = max(n, count // n * n)   # divisible by n: rounded down, as nccl-tests does
-        return torch.zeros(count), torch.zeros(count // n)
-    return torch.zeros(count), None
+        return alloc(count), alloc(count // n)
+    return alloc(count), None
+
+
+def _arena_zeros(count: int) -> torch.Tensor:
+    import ringlet.distributed as rdist
+
+    return rdist.comm_buffer(count).zero_()
 
 
 def _make_call(lib: Any, op: str, big: torch.Tensor, small: torch.Tensor | None) -> Callable[[], Any]:
@@ -186,13 +223,18 @@ def _make_call(lib: Any, op: str, big: torch.Tensor, small: torch.Tensor | None)
     return lambda: scatter(small, big)
 
 
-def _time_calls(lib: Any, call: Callable[[], Any], iters: int) -> float:
-    """Mean seconds per call of ``iters`` back-to-back calls, started together after a barrier."""
+def _time_calls(lib: Any, call: Callable[[], Any], iters: int) -> tuple[float, float]:
+    """(mean seconds per call of ``iters`` back-to-back calls started together after a barrier,
+    the median of the calls timed one by one)."""
+    clock = time.perf_counter
     lib.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
+    stamps = [0.0] * (iters + 1)
+    stamps[0] = t0 = clock()
+    for i in range(iters):
         call()
-    return (time.perf_counter() - t0) / iters
+        stamps[i + 1] = clock()
+    each = sorted(stamps[i + 1] - stamps[i] for i in range(iters))
+    return (stamps[-1] - t0) / iters, each[iters // 2]
 
 
 def _agree_iters(lib: Any, call: Callable[[], Any], size: int) -> int:
@@ -200,7 +242,7 @@ def _agree_iters(lib: Any, call: Callable[[], Any], size: int) -> int:
     import torch.distributed as tdist
 
     call()   # first touch: page faults, connections, arena slots
-    per_call = _time_calls(lib, call, min(100, max(3, common.MIB // size)))
+    per_call, _ = _time_calls(lib, call, min(100, max(3, common.MIB // size)))
     est = torch.tensor([per_call], dtype=torch.float64)
     tdist.all_reduce(est, op=tdist.ReduceOp.MAX)   # gloo is the control plane for both
     return common.iters_for(est.item(), TARGET_S)
@@ -211,78 +253,128 @@ def bench_size(cfg: Config, op: str, size: int, rank: int, n: int,
     """Time ``op`` at ``size`` on every library of ``libs`` (name -> module with torch's API)."""
     import torch.distributed as tdist
 
-    big, small = _buffers(op, size, n)
     names = list(cfg.libs)
-    calls = {name: (libs[name], _make_call(libs[name], op, big, small)) for name in names}
+    tensors = {name: _buffers(op, size, n, _arena_zeros if name == "arena" else torch.zeros)
+               for name in names}
+    calls = {name: (libs[name], _make_call(libs[name], op, *tensors[name])) for name in names}
     iters = {name: _agree_iters(lib, call, size) for name, (lib, call) in calls.items()}
     samples: dict[str, list[float]] = {name: [] for name in names}
+    each: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(cfg.repeats):
         for name in names if rep % 2 == 0 else names[::-1]:
             lib, call = calls[name]
-            samples[name].append(_time_calls(lib, call, iters[name]))
-    worst = torch.tensor([samples[name] for name in names], dtype=torch.float64)
+            mean, median = _time_calls(lib, call, iters[name])
+            samples[name].append(mean)
+            each[name].append(median)
+    worst = torch.tensor([samples[name] + each[name] for name in names], dtype=torch.float64)
     tdist.all_reduce(worst, op=tdist.ReduceOp.MAX)   # each repeat: the slowest rank
+    big = tensors[names[0]][0]
     result = {"op": op, "bytes": big.numel() * big.element_size(), "iters": iters,
-              "samples": {name: worst[i].tolist() for i, name in enumerate(names)}}
+              "samples": {name: worst[i, :cfg.repeats].tolist() for i, name in enumerate(names)},
+              "calls": {name: worst[i, cfg.repeats:].tolist() for i, name in enumerate(names)}}
     result["seconds"] = {name: common.median(result["samples"][name]) for name in names}
+    result["call"] = {name: common.median(result["calls"][name]) for name in names}
+    del tensors, calls
+    if cfg.floor:
+        result["floor"] = _floor.floor_seconds(op, result["bytes"], n, cfg.repeats, tdist.barrier,
+                                               _slowest)
     if rank == 0:
         _progress(result)
     return result
 
 
+def _slowest(samples: list[float]) -> list[float]:
+    import torch.distributed as tdist
+
+    t = torch.tensor(samples, dtype=torch.float64)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def _progress(r: dict[str, Any]) -> None:
     times = "  ".join(f"{name} {sec * 1e6:10.1f} us" for name, sec in r["seconds"].items())
+    if "floor" in r:
+        times += f"  floor {r['floor'] * 1e6:10.1f} us"
     print(f"  {r['op']:<23} {common.format_size(r['bytes']):>9}  {times}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- report
 
 
-def _headers(cfg: Config) -> list[str]:
-    if cfg.hosts > 1:
-        return ["size", "auto us", "tcp us", "gloo us", "auto busbw GB/s", "tcp busbw GB/s",
-                "gloo busbw GB/s", "gloo/auto", "tcp/auto"]
-    rl = f"ringlet[{cfg.backend}]"
-    return ["size", f"{rl} us", "gloo us", f"{rl} busbw GB/s", "gloo busbw GB/s",
-            "gloo/ringlet"]
+def _label(cfg: Config, lib: str) -> str:
+    if lib == "ringlet":
+        return f"ringlet[{cfg.backend}]"
+    return "arena" if lib == "arena" else lib
 
 
-def _row(r: dict[str, Any], n: int, libs: tuple[str, ...] = LIBS) -> list[str]:
-    secs = [r["seconds"][name] for name in libs]
-    factor = bus_factor(r["op"], n)
-    ratios = [f"{r['seconds']['gloo'] / secs[0]:.2f}x"]
-    if len(libs) > 2:   # auto, tcp, gloo: also tcp/auto
-        ratios.append(f"{r['seconds']['tcp'] / secs[0]:.2f}x")
-    return ([common.format_size(r["bytes"])] + [f"{t * 1e6:.1f}" for t in secs]
-            + [f"{r['bytes'] / t * factor / 1e9:.3f}" for t in secs] + ratios)
+def _headers(cfg: Config, floor: bool) -> list[str]:
+    libs, mine = cfg.libs, cfg.mine
+    cols = ["size"] + [f"{_label(cfg, x)} us" for x in libs]
+    cols += [f"{_label(cfg, x)} busbw GB/s" for x in libs]
+    if floor:
+        cols += ["floor busbw GB/s"] + [f"{_label(cfg, x)} % floor" for x in mine]
+    cols += [f"gloo/{_label(cfg, x)}" for x in mine]
+    return cols + (["tcp/auto"] if "tcp" in mine else [])
 
 
-def _summary(op: str, rows: list[dict[str, Any]], libs: tuple[str, ...] = LIBS) -> str:
+def _row(r: dict[str, Any], cfg: Config, floor: bool) -> list[str]:
+    secs = r["seconds"]
+    factor = bus_factor(r["op"], cfg.world)
+    row = [common.format_size(r["bytes"])] + [f"{secs[x] * 1e6:.1f}" for x in cfg.libs]
+    row += [f"{r['bytes'] / secs[x] * factor / 1e9:.3f}" for x in cfg.libs]
+    if floor:
+        row += [f"{r['bytes'] / r['floor'] * factor / 1e9:.3f}"]
+        row += [f"{100 * r['floor'] / secs[x]:.0f}%" for x in cfg.mine]
+    row += [f"{secs['gloo'] / secs[x]:.2f}x" for x in cfg.mine]
+    return row + ([f"{secs['tcp'] / secs['auto']:.2f}x"] if "tcp" in cfg.mine else [])
+
+
+def _latency_rows(rows: list[dict[str, Any]], cfg: Config) -> tuple[list[str], list[list[str]]]:
+    """Sizes below SUMMARY_MIN_BYTES: each library's batch (barrier-started) and call times."""
+    head = ["size"] + [f"{_label(cfg, x)} {kind} us" for x in cfg.libs for kind in ("batch", "call")]
+    body = [[common.format_size(r["bytes"])]
+            + [f"{r[key][x] * 1e6:.1f}" for x in cfg.libs for key in ("seconds", "call")]
+            for r in rows if r["bytes"] < SUMMARY_MIN_BYTES]
+    return head, body
+
+
+def _summary(op: str, rows: list[dict[str, Any]], cfg: Config) -> str:
     big = [r for r in rows if r["bytes"] >= SUMMARY_MIN_BYTES]
-    floor = common.format_size(SUMMARY_MIN_BYTES)
+    lo = common.format_size(SUMMARY_MIN_BYTES)
     if not big:
-        return f"{op}: no sizes >= {floor} measured"
-    mine = libs[0]
+        return f"{op}: no sizes >= {lo} measured"
     parts = []
-    for other in [lib for lib in libs[1:] if lib == "gloo"] + [lib for lib in libs[1:-1]]:
+    pairs = [("gloo", x) for x in cfg.mine] + ([("tcp", "auto")] if "tcp" in cfg.mine else [])
+    for other, mine in pairs:
         worst = min(big, key=lambda r: r["seconds"][other] / r["seconds"][mine])
         ratio = worst["seconds"][other] / worst["seconds"][mine]
-        parts.append(f"min {other}/{mine} over sizes >= {floor}: {ratio:.2f}x "
+        parts.append(f"min {other}/{_label(cfg, mine)} over sizes >= {lo}: {ratio:.2f}x "
                      f"(at {common.format_size(worst['bytes'])})")
+    large = [r for r in rows if r["bytes"] >= FLOOR_MIN_BYTES and "floor" in r]
+    for mine in cfg.mine if large else ():
+        worst = min(large, key=lambda r: r["floor"] / r["seconds"][mine])
+        parts.append(f"{_label(cfg, mine)} >= {100 * worst['floor'] / worst['seconds'][mine]:.0f}% "
+                     f"of the memory floor at sizes >= {common.format_size(FLOOR_MIN_BYTES)} "
+                     f"(lowest at {common.format_size(worst['bytes'])})")
     return f"{op}: " + "; ".join(parts)
 
 
 def render(cfg: Config, results: list[dict[str, Any]], markdown: bool) -> str:
-    """Every op's table and its summary line, as plain text or Markdown."""
+    """Every op's tables and its summary line, as plain text or Markdown."""
     table = common.markdown_table if markdown else common.text_table
     shape = f"{cfg.hosts} hosts x {cfg.ranks} ranks" if cfg.hosts > 1 else f"{cfg.ranks} ranks"
     parts = []
     for op in cfg.ops:
         rows = [r for r in results if r["op"] == op]
+        floor = bool(rows) and all("floor" in r for r in rows)
         title = f"### {op}" if markdown else f"== {op} ({shape}, float32) =="
-        summary = _summary(op, rows, cfg.libs)
-        parts += [title, "", table(_headers(cfg), [_row(r, cfg.world, cfg.libs) for r in rows]), "",
-                  f"**Summary:** {summary}" if markdown else f"summary: {summary}", ""]
+        summary = _summary(op, rows, cfg)
+        parts += [title, "", table(_headers(cfg, floor), [_row(r, cfg, floor) for r in rows]), ""]
+        head, body = _latency_rows(rows, cfg)
+        if body:
+            parts += ["Small messages: batch (barrier-started, mean) and call (median) times:", "",
+                      table(head, body), ""]
+        parts += [f"**Summary:** {summary}" if markdown else f"summary: {summary}", ""]
     return "\n".join(parts)
 
 
@@ -290,7 +382,8 @@ def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
     lines = [f"command: {common.command_line()}", f"date: {info['date']}",
              f"machine: nproc {info['nproc']}; {info['cpu']}; {info['os']}",
              f"software: torch {info['torch']}, python {info['python']}",
-             (f"setup: {cfg.ranks} ranks, ringlet backend {cfg.backend} vs gloo, float32, "
+             (f"setup: {cfg.ranks} ranks, ringlet backend {cfg.backend} ({'/'.join(cfg.buffers)} "
+              f"tensors) vs gloo, float32, "
               f"{cfg.repeats} repeats, ~{TARGET_S} s per repeat; latency = median over repeats "
               f"of the slowest rank's mean time per call")]
     if cfg.load:

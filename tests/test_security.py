@@ -441,10 +441,10 @@ import ringlet.distributed as dist
 from ringlet.transport import shm
 out = Path(sys.argv[1])
 create = shm._create_segment
-def reveal(layout, group):
-    mm, path = create(layout, group)
-    (out / "segment").write_text(path)
-    return mm, path
+def reveal(*args):
+    made = create(*args)                     # (mapping, path, ...)
+    (out / "segment").write_text(made[1])
+    return made
 def die(*args):
     os.kill(os.getpid(), signal.SIGKILL)     # killed after rank 0 created the arena, before attaching
 shm._create_segment = reveal

@@ -9,6 +9,7 @@ from ringlet.c10d.backend import (
     is_ucc_available,
     is_xccl_available,
 )
+from ringlet.c10d.buffers import comm_buffer, is_comm_buffer
 from ringlet.c10d.coalescing import _coalescing_manager
 from ringlet.c10d.collectives import (
     _all_gather_base,
@@ -112,4 +113,6 @@ __all__ = [  # noqa: RUF022
     "reduce_scatter_tensor", "report_stragglers", "scatter", "scatter_object_list", "send",
     "send_object_list", "stats", "split_group", "_coalescing_manager", "_all_gather_base",
     "_reduce_scatter_base",
+    # ringlet's own: communication buffers in shared memory
+    "comm_buffer", "is_comm_buffer",
 ]

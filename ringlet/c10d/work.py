@@ -154,6 +154,7 @@ class Executor:
                 work._complete(e)
             else:
                 work._complete()
+            fn = work = None   # type: ignore[assignment]  # hold no tensor while idle (buffers free at once)
             with self._cv:
                 self.pending -= 1
                 self._cv.notify_all()

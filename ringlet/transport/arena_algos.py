@@ -189,9 +189,9 @@ class ArenaTransport(InplaceCollectives, Transport):
             piece = flat if c == whole else flat[off:off + c]
             red.contribute(piece, a.slot(me, b, dt)[:c])
             self._sync(s, fp, k, ctx)
-            if root is None or root == me:
             if k == 0 and self.heap is not None and self._peers_inplace(b):
                 return self._reduce(buf, red, root, ctx, ranks)    # [Note: in-place collectives]
+            if root is None or root == me:
                 parts = [piece if own and r == me else a.slot(r, b, dt)[:c] for r in self._ranks]
                 red.fold_(piece, parts)
         self._done(ctx)
@@ -224,7 +224,6 @@ class ArenaTransport(InplaceCollectives, Transport):
             self._small_reduce_scatter(fi, fo, red, nbytes, ctx)
             self._done(ctx)
             return
-        fp = ctx.fingerprint()
         off = self._heap_offset(fi, nbytes * n) if ranks is None else -1
         if off >= 0 and red.exact and (not overlaps(fi, fo) or fo.data_ptr() == fi[me * N:].data_ptr()):
             self.q[self._entered_i] = ctx.seq
@@ -240,6 +239,7 @@ class ArenaTransport(InplaceCollectives, Transport):
         """reduce_scatter through the slots (flat input and output)."""
         n, me, a = self.world_size, self.rank, self.arena
         N, dt = fo.numel(), fo.dtype
+        fp = ctx.fingerprint()
         sub = self._cap(dt) // n
         # Only this rank reads its own block: fold it from the input instead of a copy in the
         # arena when that copy would be exact and folding cannot overwrite it before it is read.
@@ -252,9 +252,9 @@ class ArenaTransport(InplaceCollectives, Transport):
                 if r != me or not own:
                     red.contribute(fi[r * N + off:r * N + off + c], mine[r * sub:r * sub + c])
             self._sync(s, fp, k, ctx)
-            parts = [a.slot(r, b, dt)[me * sub:me * sub + c] for r in self._ranks]
             if k == 0 and self.heap is not None and self._peers_inplace(b):
                 return self._reduce_scatter(fi, fo, red, ctx)   # [Note: in-place collectives]
+            parts = [a.slot(r, b, dt)[me * sub:me * sub + c] for r in self._ranks]
             if own:
                 parts[me] = fi[me * N + off:me * N + off + c]
             red.fold_(fo[off:off + c], parts)
@@ -302,7 +302,6 @@ class ArenaTransport(InplaceCollectives, Transport):
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext,
                    ranks: Ranks = None) -> None:
-        self._gather(inp, out, None, ctx, ranks)
         nbytes = inp.numel() * inp.element_size()
         if self.heap is not None and ranks is None and nbytes > INPLACE_MIN_BYTES:
             in_off = self._heap_offset(inp, nbytes)
@@ -315,8 +314,8 @@ class ArenaTransport(InplaceCollectives, Transport):
                     return
                 self._clear_desc_after(lambda: self._gather(inp, out, None, ctx, ranks))
                 return
+        self._gather(inp, out, None, ctx, ranks)
 
-    def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext,
     def _clear_desc_after(self, ordinary: Callable[[], None]) -> None:
         """Run a mixed call on the ordinary path, then clear this rank's descriptor (the peers
         read it in the round before)."""
@@ -325,6 +324,7 @@ class ArenaTransport(InplaceCollectives, Transport):
         finally:
             self._clear_desc()
 
+    def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext,
                ranks: Ranks = None) -> None:
         self._gather(inp, out, root, ctx, ranks)
 
@@ -350,9 +350,9 @@ class ArenaTransport(InplaceCollectives, Transport):
             b = s & 1
             a.slot(me, b, dt)[:c].copy_(fi[off:off + c])
             self._sync(s, fp, k, ctx)
-            if fo is not None:
             if k == 0 and self.heap is not None and self._peers_inplace(b):
                 return self._gather(inp, out, root, ctx, ranks)    # [Note: in-place collectives]
+            if fo is not None:
                 for r in self._ranks:
                     src = fi[off:off + c] if r == me else a.slot(r, b, dt)[:c]
                     dst = fo[r * N + off:r * N + off + c]

@@ -250,6 +250,13 @@ class Transport(abc.ABC):
         """Raise if a receive from any rank cannot succeed here (aborted, destroyed, nobody
         left)."""
 
+    # -- memory that peers read in place ([Note: arena buffers]) ---------------------------------
+    def buffer(self, nbytes: int) -> torch.Tensor | None:
+        """``nbytes`` of memory (a ``uint8`` tensor) that this transport's collectives read and
+        write in place, with no copy through its own buffers; None when it has no such memory
+        (callers then use ordinary tensors, which every transport serves)."""
+        return None
+
     # -- hints, statistics, lifecycle -----------------------------------------------------------
     def share_cpus(self, busy_ranks: int) -> None:
         """``busy_ranks`` of the job's ranks share this process's CPUs (its own transport's and

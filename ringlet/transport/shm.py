@@ -10,6 +10,10 @@ leaves nothing behind.  A creator killed before that moment leaves a name that
 the launcher and the next creator remove ([Note: segment lifecycle] in
 ``ringlet._segments``).  Each rank watches its peers through pidfds, so a dead
 peer becomes an error in every survivor within ``LIVENESS_PERIOD``.
+
+The same file carries the group's buffer heap past the arena ([Note: arena buffers] in
+``arena_buffers``): sparse, mapped separately, each rank committing pages of its own region as
+it allocates buffers (so every rank keeps its descriptor of the file open until it closes).
 """
 
 from __future__ import annotations
@@ -23,11 +27,17 @@ from datetime import timedelta
 from ringlet import _env
 from ringlet._segments import SHM_DIR, SHM_PREFIX, new_segment_name, sweep_stale
 from ringlet.errors import DistBackendError, DistStoreError
-from ringlet.transport.arena import C_PID, Arena, ArenaLayout, default_p2p_bytes
+from ringlet.transport.arena import C_PID, H_ABORT, Arena, ArenaLayout, default_p2p_bytes
 from ringlet.transport.arena_algos import ArenaTransport
+from ringlet.transport.arena_buffers import BufferHeap, file_commit, region_bytes_for
 
 __all__ = ["SHM_DIR", "SHM_PREFIX", "ShmTransport"]
 
+HEAP_ALIGN = 2 << 20     # the heap starts on a 2 MiB boundary of the file (huge-page friendly)
+
+
+def _heap_off(layout: ArenaLayout) -> int:
+    return (layout.total + HEAP_ALIGN - 1) // HEAP_ALIGN * HEAP_ALIGN
 
 
 def _no_room(path: str, nbytes: int, group: str, err: OSError) -> DistBackendError:
@@ -51,6 +61,7 @@ class ShmTransport(ArenaTransport):
         super().__init__(arena)
         self._mm = mm
         self._pids = pids
+        self._heap_fd = -1
         self._host = socket.gethostname()
         self._poll = select.poll()
         self._fd_rank: dict[int, int] = {}
@@ -85,37 +96,46 @@ class ShmTransport(ArenaTransport):
         """
         slot = slot_bytes or _env.shm_slot_bytes()
         layout = ArenaLayout(world_size, slot, default_p2p_bytes(world_size, slot))
-        td = timedelta(seconds=timeout)
         if rank == 0:
-            mm, path = _create_segment(layout, group)
-            arena = Arena(mm, layout, rank, alive=lambda r: True, describe_peer=str)
-            arena.init_header(os.getpid())   # before the name is published: attachers check it
-            store.set("shm/name", os.path.basename(path))
+            region = region_bytes_for(_env.shm_buffer_bytes(), world_size)
+            mm, path, fd = _create_segment(layout, group, world_size * region)
         else:
-            name = store.get("shm/name").decode()
-            mm, path = _attach_segment(name, layout, group), os.path.join(SHM_DIR, name)
+            name, _, region_s = store.get("shm/name").decode().partition(":")
+            region = int(region_s or 0)
+            mm, fd = _attach_segment(name, layout, group, world_size * region)
+            path = os.path.join(SHM_DIR, name)
+        try:
             arena = Arena(mm, layout, rank, alive=lambda r: True, describe_peer=str)
-            arena.check_header()
-        arena.set_ctrl(C_PID, os.getpid())
-        if rank != 0:
-            store.set(f"shm/attached/{rank}", b"1")
-            store.wait(["shm/ready"], td)
-        else:
-            keys = [f"shm/attached/{r}" for r in range(1, world_size)]
-            try:
-                store.wait(keys, td)
-            except DistStoreError:
-                missing = [r for r in range(1, world_size) if not store.check([f"shm/attached/{r}"])]
-                raise DistStoreError(f"group {group}: ranks {missing} never attached to the shared-memory "
-                                     f"arena within {timeout:.1f} s", group=group, missing=missing) from None
-            finally:
+            if rank == 0:
+                arena.init_header(os.getpid())   # before the name is published: attachers check it
+                store.set("shm/name", f"{os.path.basename(path)}:{region}")
+            else:
+                arena.check_header()
+            _rendezvous(store, arena, path, timeout, group)
+            pids = [arena.q[arena.ctrl(r, C_PID)] for r in range(world_size)]
+            transport = cls(arena, mm, pids)
+        except BaseException:
+            os.close(fd)
+            if rank == 0:
                 _unlink_quietly(path)
-            store.set("shm/ready", b"1")
-        pids = [arena.q[arena.ctrl(r, C_PID)] for r in range(world_size)]
-        transport = cls(arena, mm, pids)
+            raise
         arena.alive = transport._alive
         arena.describe_peer = transport._describe
+        transport._attach_heap(fd, layout, region)
         return transport
+
+    def _attach_heap(self, fd: int, layout: ArenaLayout, region: int) -> None:
+        """Map the buffer heap (or, with none reserved, close the file now)."""
+        if not region:
+            os.close(fd)
+            return
+        self._heap_fd = fd
+        base = _heap_off(layout)
+        memory = mmap.mmap(fd, self.world_size * region, offset=base)
+        q = self.q
+        self.heap = BufferHeap(memory, region, self.rank, self.world_size,
+                               commit=file_commit(fd, base + self.rank * region),
+                               healthy=lambda: not q[H_ABORT])
 
     def close(self) -> None:
         """Mark this rank as departed and unmap (bounded; never waits for peers).
@@ -136,6 +156,7 @@ class ShmTransport(ArenaTransport):
                 pass
         self._fd_rank.clear()
         self._fast.clear()
+        self._close_heap()
         self.arena.release()
         if in_flight:
             return
@@ -144,39 +165,78 @@ class ShmTransport(ArenaTransport):
         except BufferError:
             pass  # tensors that view the arena are still alive; the mapping goes with them
 
+    def _close_heap(self) -> None:
+        if self.heap is not None:
+            self.heap.close()       # before the arena's views go: a late free reads its flag
+        fd, self._heap_fd = self._heap_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
-def _create_segment(layout: ArenaLayout, group: str) -> tuple[mmap.mmap, str]:
+
+def _rendezvous(store, arena: Arena, path: str, timeout: float, group: str) -> None:
+    """Every rank publishes its pid and attaches; rank 0 unlinks the name once all have."""
+    rank, world_size = arena.rank, arena.world_size
+    td = timedelta(seconds=timeout)
+    arena.set_ctrl(C_PID, os.getpid())
+    if rank != 0:
+        store.set(f"shm/attached/{rank}", b"1")
+        store.wait(["shm/ready"], td)
+        return
+    keys = [f"shm/attached/{r}" for r in range(1, world_size)]
+    try:
+        store.wait(keys, td)
+    except DistStoreError:
+        missing = [r for r in range(1, world_size) if not store.check([f"shm/attached/{r}"])]
+        raise DistStoreError(f"group {group}: ranks {missing} never attached to the shared-memory "
+                             f"arena within {timeout:.1f} s", group=group, missing=missing) from None
+    finally:
+        _unlink_quietly(path)
+    store.set("shm/ready", b"1")
+
+
+def _file_size(layout: ArenaLayout, heap_bytes: int) -> int:
+    return _heap_off(layout) + heap_bytes if heap_bytes else layout.total
+
+
+def _create_segment(layout: ArenaLayout, group: str,
+                    heap_bytes: int) -> tuple[mmap.mmap, str, int]:
+    """The new segment's arena mapping, path and open descriptor (kept for the heap's commits)."""
     sweep_stale(SHM_DIR)   # segments of creators killed before they could unlink ([Note: segment lifecycle])
     path = os.path.join(SHM_DIR, new_segment_name())
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(path, flags, 0o600)
     try:
         try:
-            os.posix_fallocate(fd, 0, layout.total)
+            os.posix_fallocate(fd, 0, layout.total)   # the arena only: the heap stays sparse
+            if heap_bytes:
+                os.ftruncate(fd, _file_size(layout, heap_bytes))
         except OSError as e:
             raise _no_room(path, layout.total, group, e) from None
-        return mmap.mmap(fd, layout.total), path
+        return mmap.mmap(fd, layout.total), path, fd
     except BaseException:
+        os.close(fd)
         _unlink_quietly(path)
         raise
-    finally:
-        os.close(fd)
 
 
-def _attach_segment(name: str, layout: ArenaLayout, group: str) -> mmap.mmap:
+def _attach_segment(name: str, layout: ArenaLayout, group: str,
+                    heap_bytes: int) -> tuple[mmap.mmap, int]:
+    """The arena mapping of an existing segment and its open descriptor."""
     if "/" in name or not name.startswith(SHM_PREFIX):
         raise DistBackendError(f"group {group}: refusing shared-memory name {name!r} from the store")
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
-        if st.st_uid != os.getuid() or st.st_size != layout.total:
+        size = _file_size(layout, heap_bytes)
+        if st.st_uid != os.getuid() or st.st_size != size:
             raise DistBackendError(
                 f"group {group}: shared-memory segment {path} has owner uid {st.st_uid} and size "
-                f"{st.st_size}; expected uid {os.getuid()} and size {layout.total}")
-        return mmap.mmap(fd, layout.total)
-    finally:
+                f"{st.st_size}; expected uid {os.getuid()} and size {size}")
+        return mmap.mmap(fd, layout.total), fd
+    except BaseException:
         os.close(fd)
+        raise
 
 
 def _unlink_quietly(path: str) -> None:

@@ -109,6 +109,14 @@ class DeviceSplitTransport(Transport):
         return self._for(buf).recv(buf, src, tag, ctx)
 
     # -- lifecycle -------------------------------------------------------------------------------
+    def buffer(self, nbytes: int) -> torch.Tensor | None:
+        return self.main.buffer(nbytes)
+
+    @property
+    def heap(self) -> object:
+        """The CPU transport's buffer heap, if any ([Note: arena buffers])."""
+        return getattr(self.main, "heap", None)
+
     def wait_stats(self) -> tuple[float, dict[int, float]]:
         stats = getattr(self.main, "wait_stats", None)     # a registered transport may lack it
         return stats() if stats is not None else (0.0, {})
