@@ -55,7 +55,7 @@ def test_logging_data_sampling_and_logged_errors() -> None:
     d = r["data"]
     assert r["iterations"] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 10, 12, 12]   # first 10, then every 2nd
     assert (d["world_size"], d["rank"], d["module_name"], d["dtypes"], d["num_parameter_tensors"]) == \
-        (2, 1, "Sequential", "float32", 6)
+        (2, 1, "Sequential", "float", 6)
     assert d["bucket_cap_bytes"] == 25 << 20 and d["bucket_sizes"] == "1116" == str(d["total_parameter_size_bytes"])
     assert d["has_rebuilt_buckets"] == 1 and d["rebuilt_per_bucket_param_indices"] == "5 4 3 2 1 0"
     assert d["prev_iteration_grad_ready_order_indices"] == "5, 4, 3, 2, 1, 0"

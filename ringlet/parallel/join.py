@@ -204,7 +204,8 @@ class Join:
         # Answers the active ranks' second all-reduce in notify_join_context (see the module note).
         flag = torch.ones(1, device=self._device)
         all_reduce(flag, group=self._pg)
-        raise RuntimeError(f"Join: rank {self._global_rank()} ran out of inputs (throw_on_early_termination=True)")
+        raise RuntimeError(f"Rank {self._global_rank()} exhausted all inputs. (Join: this rank ran out of inputs "
+                           f"first; throw_on_early_termination=True raises on every rank)")
 
     @staticmethod
     def notify_join_context(joinable: Joinable) -> Work | None:
@@ -232,6 +233,6 @@ class Join:
             stop = torch.zeros(1, device=device)
             all_reduce(stop, group=pg)
             if stop.item() > 0:
-                raise RuntimeError("Join: at least one rank ran out of inputs; raising on every rank "
-                                   "(throw_on_early_termination=True)")
+                raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing across all ranks. "
+                                   "(Join: throw_on_early_termination=True)")
         return work

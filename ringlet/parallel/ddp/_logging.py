@@ -64,12 +64,14 @@ class DDPLogging:
                  find_unused_parameters=int(ddp.find_unused_parameters),
                  gradient_as_bucket_view=int(ddp.gradient_as_bucket_view), static_graph=int(ddp.static_graph),
                  is_multi_device_module=0, backend_name=_backend(ddp.process_group),
-                 dtypes=", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
+                 dtypes=", ".join(sorted({_dtype_name(p.dtype) for p in params})),
                  total_parameter_size_bytes=sum(p.numel() * p.element_size() for p in params),
                  num_parameter_tensors=len(params), bucket_sizes=_sizes(reducer), has_rebuilt_buckets=0,
                  iteration=0, has_error=0)
         for key, var in _ENV.items():
             d[key] = os.environ.get(var, "N/A")
+        if d["backend_name"] == "gloo":
+            d["gloo_num_threads"] = 1     # ringlet runs one communication thread per group (torch's gloo: 2)
 
     def set_sample_rate(self, rate: int) -> None:
         if not isinstance(rate, int) or isinstance(rate, bool) or rate < 1:
@@ -120,6 +122,18 @@ class DDPLogging:
         for k, v in times.items():
             self._totals[k] += v
             d[f"avg_{k}"] = self._totals[k] // self._samples
+
+
+# torch's logger names dtypes as C++ type names ("float", "double", "c10::Half").
+_CPP_NAMES = {"float32": "float", "float64": "double", "float16": "c10::Half", "bfloat16": "c10::BFloat16",
+              "int64": "long int", "int32": "int", "int16": "short int", "int8": "signed char",
+              "uint8": "unsigned char", "bool": "bool", "complex64": "c10::complex<float>",
+              "complex128": "c10::complex<double>"}
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return _CPP_NAMES.get(name, name)
 
 
 def _sizes(reducer: Any) -> str:
