@@ -15,6 +15,7 @@ behind compute: the columns then add up to a little more than the step.
 from __future__ import annotations
 
 import dataclasses
+import os
 import resource
 import sys
 import time
@@ -183,8 +184,9 @@ class Progress:
 
     def __init__(self, total: int, start: int, tokens_per_step: int, mode: str = "auto",
                  every: int = 10, enabled: bool = True) -> None:
-        if mode == "auto":
-            mode = "bar" if tqdm is not None and sys.stdout.isatty() else "lines"
+        if mode == "auto":     # ringlet-run sets RINGLET_CONSOLE_TTY when its console is a terminal
+            on_terminal = sys.stdout.isatty() or os.environ.get("RINGLET_CONSOLE_TTY") == "1"
+            mode = "bar" if tqdm is not None and on_terminal else "lines"
         if mode == "bar" and tqdm is None:
             mode = "lines"
         self.mode = mode if enabled else "off"

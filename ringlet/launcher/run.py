@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
@@ -147,7 +148,22 @@ def _sink(console: bool, stream: BinaryIO, rank: int, path: str | None) -> Sink:
     if path is not None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
     return Sink(console=stream if console else None, prefix=prefix(rank, colour_wanted(stream)),
-                file=open(path, "wb") if path is not None else None)
+                file=open(path, "wb") if path is not None else None, live=console and _is_tty(stream))
+
+
+def _is_tty(stream: BinaryIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _terminal_env(out: Sink, err: Sink, rank: int) -> dict[str, str]:
+    """Tell a worker that its output ends on a terminal ([Note: live lines] in ``_forward``)."""
+    if not (out.live or err.live):
+        return {}
+    columns = shutil.get_terminal_size().columns - len(f"[rank{rank}]: ")
+    return {"RINGLET_CONSOLE_TTY": "1", "COLUMNS": str(max(40, columns))}
 
 
 def worker_specs(run: Run, restart: int) -> list[WorkerSpec]:
@@ -161,13 +177,16 @@ def worker_specs(run: Run, restart: int) -> list[WorkerSpec]:
         out_log = paths[0] if paths and plan.file_out else None
         err_log = paths[1] if paths and plan.file_err else None
         hb = os.path.join(run.run_dir, f"heartbeat-gen{restart}-rank{rank}") if config.heartbeat_timeout else None
+        out = _sink(plan.console_out, sys.stdout.buffer, rank, out_log)
+        err = _sink(plan.console_err, sys.stderr.buffer, rank, err_log)
+        env = worker_env(config, lr, restart, run.port, run_id=run.run_id, run_dir=run.run_dir,
+                         token_file=run.token_file, launcher_pid=os.getpid(), heartbeat_file=hb)
         specs.append(WorkerSpec(
             rank=rank, local_rank=lr, command=worker_command(config, local_rank=lr),
-            env=worker_env(config, lr, restart, run.port, run_id=run.run_id, run_dir=run.run_dir,
-                           token_file=run.token_file, launcher_pid=os.getpid(), heartbeat_file=hb),
+            env={**env, **_terminal_env(out, err, rank)},
             error_file=error_file(run.run_dir, restart, rank),
-            stdout=_sink(plan.console_out, sys.stdout.buffer, rank, out_log),
-            stderr=_sink(plan.console_err, sys.stderr.buffer, rank, err_log),
+            stdout=out,
+            stderr=err,
             log_files=tuple(p for p in (out_log, err_log) if p), heartbeat_file=hb,
         ))
     return specs
