@@ -15,7 +15,7 @@ import pytest
 import torch
 from ringlet.errors import DistNetworkError
 from ringlet.testing.procs import raise_first, run_world
-from ringlet.transport.arena import SPIN_ITERS, Arena, ArenaLayout, usable_cpus
+from ringlet.transport.arena import Arena, ArenaLayout, usable_cpus
 from ringlet.transport.hierarchical import HostPlan, plan_hosts, same_kernel
 from ringlet.transport.reduce import RedOpType, reduction
 from ringlet.transport.select import parse_backend as _parse_backend
@@ -79,9 +79,9 @@ def test_simulated_hosts_on_one_kernel_share_its_cpus() -> None:
     layout = ArenaLayout(2, 4096, 4096)
     arena = Arena(bytearray(layout.total), layout, 0, alive=lambda r: True, describe_peer=str)
     arena.share_cpus(2 * usable_cpus())
-    assert arena.spin_iters == 0
+    assert not arena.spinner.allowed
     arena.share_cpus(1)
-    assert arena.spin_iters == SPIN_ITERS
+    assert arena.spinner.allowed
 
 
 @pytest.mark.timeout(30)

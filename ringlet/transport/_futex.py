@@ -24,6 +24,8 @@ import platform
 import sys
 from typing import Any
 
+from ringlet import _env
+
 __all__ = ["Futex", "available"]
 
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
@@ -53,7 +55,7 @@ _syscall = _load_syscall()
 
 def available() -> bool:
     """Whether futex waits work here (Linux on a known architecture)."""
-    return _syscall is not None and os.environ.get("RINGLET_NO_FUTEX") != "1"
+    return _syscall is not None and not _env.no_futex()
 
 
 class Futex:

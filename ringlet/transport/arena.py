@@ -21,6 +21,7 @@ are threads); the protocol and the algorithms (``arena_algos``, ``arena_p2p``) a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -33,10 +34,21 @@ from ringlet.errors import (
     GroupAbortedError,
     PeerFailureError,
 )
+from ringlet.transport.arena_wait import (
+    FIRST_NAP,
+    LIVENESS_PERIOD,
+    MAX_SLEEP,
+    SPIN_MIN_S,
+    Doorbell,
+    Spinner,
+    current_cpu,
+    futex_available,
+    sleeper_words,
+)
 from ringlet.transport.base import OpContext
 
 MAGIC = 0x52494E474C455431  # "RINGLET1"
-VERSION = 1
+VERSION = 2               # 2: the futex doorbell and sleeping bytes in the header
 HEADER_BYTES = 4096
 CTRL_BYTES = 256          # per rank; flag at offset 0, other fields on another cache line
 SLOT_HDR = 64             # per slot: step, seq, word1, numel, chunk
@@ -50,16 +62,10 @@ REASON_OFF = 1024         # utf-8 abort reason, up to REASON_MAX bytes
 REASON_MAX = 2048
 
 # int64 offsets inside a control block (in units of int64)
-C_STEP, C_PID, C_DEPARTED, C_ENTERED, C_DONE = 0, 8, 9, 10, 11
+C_STEP, C_PID, C_DEPARTED, C_ENTERED, C_DONE, C_CPU = 0, 8, 9, 10, 11, 12
 
-# Spin before backing off: a flag round trip between two processes costs ~0.7 us
-# (measured on a 2-core machine; docs/architecture.md#shared-memory-transport); a wake-up
-# from sleep ~70 us.  Spinning is skipped when ranks
-# outnumber cores, where it would steal the CPU from the rank being waited on
-# (``Arena.share_cpus``: ranks of other groups on the same kernel count too).
-SPIN_ITERS = 400
-LIVENESS_PERIOD = 0.05    # seconds between liveness checks of waited-on peers
-MAX_SLEEP = 1e-3
+# How waits spin, sleep on the futex doorbell and notice faults: [Note: arena waits] in
+# ``arena_wait.py`` (the doorbell and the "sleeping" bytes live in this header).
 
 
 def usable_cpus() -> int:
@@ -155,8 +161,12 @@ class Arena:
         self.flag_i = [(layout.ctrl_off + r * CTRL_BYTES) // 8 for r in range(n)]
         self.peers = [r for r in range(n) if r != rank]
         self._peer_flags = [self.flag_i[r] for r in self.peers]
-        self.spin_iters = 0
+        self.spinner = Spinner()
         self.share_cpus(n)
+        # The futex doorbell ([Note: arena waits]); None: waits back off on timers instead.
+        self.bell: Doorbell | None = Doorbell(memory, rank) if futex_available() else None
+        self._sleeper_words = sleeper_words(n) if self.bell is not None else ()
+        self.can_sleep = self.bell is not None and self.bell.can_sleep
         self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self.wait_s = 0.0                   # time spent in the slow path of waits
         self.wait_since = 0.0               # when the wait in progress began (0: none; wait_total)
@@ -164,8 +174,8 @@ class Arena:
 
     def share_cpus(self, busy_ranks: int) -> None:
         """Spin only if ``busy_ranks`` (the ranks of the job on this kernel: the arena's, or more
-        when simulated hosts share one machine) fit this process's CPUs; else back off at once."""
-        self.spin_iters = SPIN_ITERS if busy_ranks <= usable_cpus() else 0
+        when simulated hosts share one machine) fit this process's CPUs; else sleep at once."""
+        self.spinner.allowed = busy_ranks <= usable_cpus()
 
     # -- header / control fields -------------------------------------------------
     def init_header(self, creator: int) -> None:
@@ -212,6 +222,7 @@ class Arena:
         if data:
             self.u8[REASON_OFF:REASON_OFF + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.q[H_ABORT] = 1 + self.rank
+        self.ring()
 
     def aborted_error(self, ctx: OpContext | None) -> DistBackendError:
         who = self.q[H_ABORT] - 1
@@ -220,6 +231,31 @@ class Arena:
         if ctx is None:
             return GroupAbortedError(what, aborted_by=who)
         return ctx.error(GroupAbortedError, what, aborted_by=who)
+
+    # -- posts -----------------------------------------------------------------------
+    def notify(self) -> None:
+        """Call after storing a flag that a peer may wait for: wakes sleepers, if any (one load
+        when none sleeps; [Note: arena waits])."""
+        q = self.q
+        for i in self._sleeper_words:
+            if q[i]:
+                self.ring()
+                return
+
+    def shares_cpu_with(self, ranks: Sequence[int]) -> bool:
+        """Record the CPU this rank runs on; whether one of ``ranks`` last waited on it too."""
+        cpu = current_cpu() + 1
+        if not cpu:
+            return False
+        q = self.q
+        q[self.flag_i[self.rank] + C_CPU] = cpu
+        flag_i = self.flag_i
+        return any(q[flag_i[r] + C_CPU] == cpu for r in ranks)
+
+    def ring(self) -> None:
+        """Wake every rank sleeping on the doorbell (abort, departure: rare, unconditional)."""
+        if self.bell is not None:
+            self.bell.ring()
 
     # -- waits -----------------------------------------------------------------------
     def wait_ge(self, idx: Sequence[int], ranks: Sequence[int], value: int, ctx: OpContext) -> None:
@@ -234,23 +270,30 @@ class Arena:
             if q[H_ABORT]:   # peers may have arrived before the group was aborted: still refuse
                 raise self.aborted_error(ctx)
             return
-        backoff = _Backoff(self, ctx)
-        t0 = time.monotonic()
-        self.wait_since = t0                # counted by wait_total() while it lasts
+        waiter = _Waiter(self, ctx)
+        self.wait_since = waiter.t0         # counted by wait_total() while it lasts
         try:
             while True:
                 still = [k for k in pending if q[idx[k]] < value]
                 if not still:
                     # Blame the wait on the ranks that arrived last (ringlet.distributed.stats()).
-                    waited = time.monotonic() - t0
+                    waited = time.monotonic() - waiter.t0
+                    if waiter.spun:
+                        self.spinner.waited(waiter.spin_end != 0.0)
                     self.wait_s += waited
                     for k in pending:
                         self.late_s[ranks[k]] = self.late_s.get(ranks[k], 0.0) + waited
                     return
                 pending = still
-                backoff.pause([ranks[k] for k in pending])
+                if not waiter.spin():
+                    waiter.block([ranks[k] for k in pending],
+                                 functools.partial(self._all_ge, idx, pending, value))
         finally:
             self.wait_since = 0.0
+
+    def _all_ge(self, idx: Sequence[int], ks: list[int], value: int) -> bool:
+        q = self.q
+        return all(q[idx[k]] >= value for k in ks)
 
     def wait_total(self) -> float:
         """Seconds spent waiting for peers so far, the wait in progress included (the straggler
@@ -262,12 +305,13 @@ class Arena:
                     ctx: OpContext) -> int:
         """Wait until some ``q[idx[k]] > values[k]``; returns that k (lowest first)."""
         q = self.q
-        backoff = _Backoff(self, ctx)
+        waiter = _Waiter(self, ctx)
         while True:
             for k in range(len(idx)):
                 if q[idx[k]] > values[k]:
                     return k
-            backoff.pause(list(ranks))
+            if not waiter.spin():
+                waiter.block(list(ranks), lambda: any(q[i] > v for i, v in zip(idx, values)))
 
     def wait_all_step(self, step: int, ctx: OpContext) -> None:
         q = self.q
@@ -297,7 +341,12 @@ class Arena:
                          missing=list(ranks))
 
     def release(self) -> None:
-        """Drop the views so that the backing memory can be unmapped."""
+        """Drop the views (and the doorbell's pin) so that the backing memory can be unmapped."""
+        if self.bell is not None:
+            self.bell.release()
+            self.bell = None
+            self.can_sleep = False
+            self._sleeper_words = ()
         self._typed.clear()
         self.memory = None
         self.q.release()
@@ -305,34 +354,71 @@ class Arena:
         del self.u8
 
 
-class _Backoff:
-    """Spin briefly, then yield, then sleep with doubling delays; check abort, peers, deadline."""
+class _Waiter:
+    """One wait's state: spin until its budget is spent, then sleep on the doorbell (or back off
+    on timers without futexes); looks at the abort flag, the peers and the deadline meanwhile.
+    See [Note: arena waits] in ``arena_wait.py``."""
 
-    __slots__ = ("arena", "ctx", "delay", "next_live", "spins")
+    __slots__ = ("arena", "ctx", "nap", "next_live", "planned", "spin_end", "spun", "t0",
+                 "yielding")
 
     def __init__(self, arena: Arena, ctx: OpContext) -> None:
         self.arena = arena
         self.ctx = ctx
-        self.spins = arena.spin_iters
-        self.next_live = 0.0
-        self.delay = 0.0
+        self.t0 = now = time.monotonic()
+        # Most waits end within SPIN_MIN_S: that much spinning is decided without looking at
+        # anything; the rest of the budget only once it has passed (plan()).
+        self.spun = arena.spinner.allowed
+        self.spin_end = now + SPIN_MIN_S if self.spun else 0.0
+        self.planned = self.yielding = False
+        self.next_live = now + LIVENESS_PERIOD
+        self.nap = FIRST_NAP if arena.can_sleep else 0.0
 
-    def pause(self, waiting_on: list[int]) -> None:
+    def spin(self) -> bool:
+        """True while this wait should go on spinning (raises if the group was aborted)."""
+        if self.arena.q[H_ABORT]:
+            raise self.arena.aborted_error(self.ctx)
+        if self.spin_end:
+            if time.monotonic() < self.spin_end:
+                if self.yielding:
+                    os.sched_yield()
+                return True
+            self.spin_end = 0.0
+        return False
+
+    def plan(self, waiting_on: list[int], now: float) -> bool:
+        """Extend the spin to the spinner's budget; True if there is any left."""
+        self.planned = True
         arena = self.arena
-        if arena.q[H_ABORT]:
-            raise arena.aborted_error(self.ctx)
-        if self.spins:
-            self.spins -= 1
-            return
+        left = arena.spinner.budget(now) - SPIN_MIN_S
+        if left <= 0.0:
+            return False
+        # The awaited rank last waited on this CPU: spin by handing the CPU over to it.
+        self.yielding = arena.shares_cpu_with(waiting_on)
+        self.spin_end = now + left
+        return True
+
+    def block(self, waiting_on: list[int], ready: Callable[[], bool]) -> None:
+        """Spin on if the budget allows; else check the peers (every LIVENESS_PERIOD) and the
+        deadline, then sleep a while."""
+        arena, ctx = self.arena, self.ctx
         now = time.monotonic()
+        if not self.planned and self.plan(waiting_on, now):
+            return
         if now >= self.next_live:
-            arena._check_peers(waiting_on, self.ctx)
+            arena._check_peers(waiting_on, ctx)
             self.next_live = now + LIVENESS_PERIOD
-        if now > self.ctx.deadline:
-            raise arena._timeout_error(waiting_on, self.ctx)
-        if self.delay < 2e-5:
+        if now > ctx.deadline:
+            raise arena._timeout_error(waiting_on, ctx)
+        bell = arena.bell
+        if bell is not None and arena.can_sleep:
+            # Woken by a post, or at the nap's end to bound a missed wake-up and to look at
+            # the peers and the deadline (the nap never outlasts either by more than 1 ms).
+            bell.sleep(ready, min(self.nap, max(ctx.deadline - now, 0.0) + 1e-3))
+            self.nap = min(self.nap * 2, LIVENESS_PERIOD)
+        elif self.nap < 2e-5:
             os.sched_yield()
-            self.delay = self.delay * 2 or 1e-6
+            self.nap = self.nap * 2 or 1e-6
         else:
-            time.sleep(self.delay)
-            self.delay = min(self.delay * 2, MAX_SLEEP)
+            time.sleep(self.nap)
+            self.nap = min(self.nap * 2, MAX_SLEEP)

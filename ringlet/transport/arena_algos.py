@@ -113,6 +113,7 @@ class ArenaTransport(InplaceCollectives, Transport):
         q[h + 4] = chunk
         q[h] = s
         q[self._flag_me] = s
+        self.arena.notify()
         self.arena.wait_all_step(s, ctx)
         if self._verify:
             for hr in self._peer_hdr[b]:
@@ -475,6 +476,7 @@ class ArenaTransport(InplaceCollectives, Transport):
 
     def mark_departed(self) -> None:
         self.q[self.arena.ctrl(self.rank, C_DEPARTED)] = 1
+        self.arena.ring()        # sleepers waiting for this rank learn it at once
 
     def peer_id(self, rank: int) -> int:
         return self.q[self.arena.ctrl(rank, C_PID)]

@@ -45,6 +45,7 @@ class Mailboxes:
             q[h + 1], q[h + 2], q[h + 3], q[h + 4], q[h + 5] = tag, nbytes, k, c, ctx.seq
             q[h] = m
             q[sent_i] = m
+            a.notify()
             self.sent[dst] = m
 
     def recv(self, buf: torch.Tensor, src: int | None, tag: int, ctx: OpContext) -> int:
@@ -67,6 +68,7 @@ class Mailboxes:
                                 peer=src)
             data[off:off + c].copy_(a.mailbox(src, self.rank, b)[:c])
             q[acked_i] = m
+            a.notify()
             self.recvd[src] = m
         return src
 
