@@ -237,3 +237,36 @@ def fsdp_tp_refusals(rank: int, world: int) -> list[str]:
         except ValueError as e:
             msgs.append(str(e))
     return msgs
+
+
+def parallelized_train(rank: int, world: int, mode: str, steps: int = 3) -> float:
+    """parallelize_module (Colwise fc1, Rowwise fc2) on "tp", then fully_shard or DDP on "dp":
+    AdamW + clip_grad_norm_ vs one process."""
+    from ringlet.distributed.fsdp import fully_shard
+    from ringlet.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from ringlet.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = mesh_2d(2, world // 2)
+    model = make_ref()
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    net: nn.Module = model
+    if mode == "fsdp":
+        fully_shard(model.fc1, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        net = DDP(model, device_mesh=mesh["dp"])
+    opt = make_opt(net.parameters(), adamw=True)
+    dp = mesh.get_local_rank("dp")
+    for step in range(steps):
+        x, y = data(step, 8)
+        mine = slice(dp * 4, dp * 4 + 4)
+        F.mse_loss(net(x[mine]), y[mine]).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    prefix = "module." if mode == "ddp" else ""
+    return max_diff(full_state(net.state_dict(), prefix), reference(steps, 8, adamw=True))

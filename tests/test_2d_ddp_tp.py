@@ -34,3 +34,7 @@ def test_ddp_with_dtensor_params_in_processes_over_shm() -> None:
         assert r["diff"] < 1e-6 and max(r["round_trip"]) == 0.0, r
     for msg in raise_first(run_world(2, W.ddp_overlap_refused, timeout=60)):
         assert "expected every rank" in msg, msg
+
+
+def test_ddp_over_a_parallelize_module_model() -> None:
+    assert max(run_threads(W.parallelized_train, 4, "ddp")) < 1e-6

@@ -43,3 +43,7 @@ def test_layouts_that_do_not_combine_are_refused_clearly() -> None:
 def test_fully_shard_over_tp_params_in_processes() -> None:
     for r in raise_first(run_world(4, W.fsdp_tp_train, "fsdp", timeout=100)):
         assert r["diff"] < 1e-6 and max(r["round_trip"]) == 0.0, r
+
+
+def test_fully_shard_over_a_parallelize_module_model() -> None:
+    assert max(run_threads(W.parallelized_train, 4, "fsdp")) < 1e-6
