@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from ringlet.launcher import LaunchConfig, parse_args, worker_command, worker_env
+from ringlet.launcher._job import failure_summary
 from ringlet.launcher._plan import error_file, parse_nproc
 from ringlet.launcher._supervisor import WorkerFailure, describe_exit, read_error_file
-from ringlet.launcher.run import failure_summary
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 from ringlet.errors import DistError
+from ringlet.launcher._job import Run, failure_summary, make_log_root, run_generation
 from ringlet.launcher._nodes import (
     BEAT_PERIOD_S,
     NodeRendezvous,
@@ -38,7 +39,6 @@ from ringlet.launcher._supervisor import GenerationResult
 from ringlet.store import TCPStore
 
 __all__ = ["run_nodes"]
-
 
 
 def run_nodes(config: LaunchConfig) -> int:
@@ -73,8 +73,6 @@ def run_nodes(config: LaunchConfig) -> int:
 
 def _join_and_run(config: LaunchConfig, store: TCPStore, where: str, signals: Signals, rdir: str,
                   token_file: str) -> int:
-    from ringlet.launcher.run import Run, make_log_root
-
     info = {"nnodes": config.nnodes, "nproc_per_node": config.nproc_per_node,
             "max_restarts": config.max_restarts, "version": launcher_version()}
     nodes = NodeRendezvous(store, config.node_rank, config.nnodes, info, config.rdzv_timeout, where)
@@ -97,7 +95,7 @@ def _join_and_run(config: LaunchConfig, store: TCPStore, where: str, signals: Si
         nodes.leave()
 
 
-def _supervise(run: Any, nodes: NodeRendezvous) -> int:
+def _supervise(run: Run, nodes: NodeRendezvous) -> int:
     config, signals = run.config, run.signals
     for gen in range(config.max_restarts + 1):
         nodes.start_generation(gen)
@@ -116,8 +114,6 @@ def _supervise(run: Any, nodes: NodeRendezvous) -> int:
                 f"({gen + 1}/{config.max_restarts})")
             continue
         if result.state == "failed" and report.get("node") == config.node_rank:
-            from ringlet.launcher.run import failure_summary
-
             first, *others = result.failures
             print(failure_summary(first, others, gen + 1, run.run_id), file=sys.stderr, flush=True)
         else:
@@ -177,10 +173,8 @@ class _RemoteFailureWatch:
         os.close(self._w)
 
 
-def _generation(run: Any, nodes: NodeRendezvous, gen: int) -> tuple[GenerationResult, Outcome]:
+def _generation(run: Run, nodes: NodeRendezvous, gen: int) -> tuple[GenerationResult, Outcome]:
     """Run this node's workers of ``gen``; the job's outcome decides what happens next."""
-    from ringlet.launcher.run import run_generation
-
     watch = _RemoteFailureWatch(nodes, gen)
     watch.start()
     try:

@@ -55,7 +55,7 @@ class WorkerStartError(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerSpec:
-    """Everything needed to start and watch one worker (built by ``run.run_generation``)."""
+    """Everything needed to start and watch one worker (built by ``_job.worker_specs``)."""
 
     rank: int
     local_rank: int
