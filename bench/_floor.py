@@ -9,12 +9,15 @@ at least (``S`` = the per-rank message in bytes, as in ``collectives.py``):
 - ``reduce_scatter_tensor``: fold its block of every rank's input (``n - 1`` adds of ``S/n``);
 - ``broadcast``: copy the root's tensor (``S``; the root itself copies nothing).
 
-The floor is the time of exactly those torch operations (``a.add_(b)``, ``d.copy_(c)``) on
-private float32 tensors of those sizes, run by every rank at the same moment (after a barrier,
-as the collective runs): the ranks share the machine's memory bandwidth as they do in the
+The floor is the time of exactly those torch operations on private float32 tensors with the
+collective's own footprint -- one tensor ``X`` of ``S`` bytes cut into ``n`` blocks (plus the
+``S/n`` input or output the op has besides): ``X[0].add_(X[k])`` for each other block ``k``, then
+``X[k].copy_(X[0])`` -- run by every rank at the same moment (after a barrier, as the collective
+runs), so that the ranks share the machine's memory bandwidth and caches as they do in the
 collective.  Each rank times ``iters`` back-to-back repetitions (enough for ~0.1 s); a repeat's
-time is the slowest rank's mean, and the floor is the median over repeats.  No collective that
-moves these bytes can beat it; a collective at ``100%`` of its floor moves nothing else.
+time is the slowest rank's mean, and the floor is the median over repeats.  A collective that
+moves these bytes between ranks also pays for moving them between cores, so at sizes that fit
+in a core's cache the floor is below what any collective reaches.
 """
 
 from __future__ import annotations
@@ -30,20 +33,32 @@ TARGET_S = 0.1
 
 def work(op: str, nbytes: int, n: int) -> Callable[[], None]:
     """One repetition of the floor's operations for ``op`` at ``nbytes`` (see the module doc)."""
-    elems = max(1, nbytes // 4)
-    blk = max(1, elems // n)
-    a, b = torch.ones(blk), torch.ones(blk)
-    rest = max(1, elems - blk) if op != "broadcast" else elems
-    c, d = torch.ones(rest), torch.empty(rest)
-    adds = n - 1 if op in ("all_reduce", "reduce_scatter_tensor") else 0
-    copies = op in ("all_reduce", "all_gather_into_tensor", "broadcast")
+    elems = max(n, nbytes // 4)
+    blk = elems // n
+    x = torch.ones(blk * n)
+    parts = [x[k * blk:(k + 1) * blk] for k in range(n)]
+    side = torch.ones(blk)           # reduce_scatter's output, all_gather's input
+    whole = torch.ones(elems)        # broadcast's source
 
-    def run() -> None:
-        for _ in range(adds):
-            a.add_(b)
-        if copies:
-            d.copy_(c)
-    return run
+    def all_reduce() -> None:
+        for k in range(1, n):
+            parts[0].add_(parts[k])
+        for k in range(1, n):
+            parts[k].copy_(parts[0])
+
+    def reduce_scatter() -> None:
+        torch.add(parts[0], parts[1], out=side)
+        for k in range(2, n):
+            side.add_(parts[k])
+
+    def all_gather() -> None:
+        for k in range(1, n):
+            parts[k].copy_(side)
+
+    def broadcast() -> None:
+        x.copy_(whole[:x.numel()])
+    return {"all_reduce": all_reduce, "reduce_scatter_tensor": reduce_scatter,
+            "all_gather_into_tensor": all_gather, "broadcast": broadcast}[op]
 
 
 def floor_seconds(op: str, nbytes: int, n: int, repeats: int, barrier: Callable[[], Any],

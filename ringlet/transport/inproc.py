@@ -83,5 +83,4 @@ class InprocTransport(ArenaTransport):
 
     def close(self) -> None:
         self.mark_departed()
-        if self.heap is not None:
-            self.heap.close()
+        self._close_heap()

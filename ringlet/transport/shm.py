@@ -166,8 +166,7 @@ class ShmTransport(ArenaTransport):
             pass  # tensors that view the arena are still alive; the mapping goes with them
 
     def _close_heap(self) -> None:
-        if self.heap is not None:
-            self.heap.close()       # before the arena's views go: a late free reads its flag
+        super()._close_heap()       # before the arena's views go: a late free reads its flag
         fd, self._heap_fd = self._heap_fd, -1
         if fd >= 0:
             os.close(fd)
