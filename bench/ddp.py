@@ -3,7 +3,8 @@
 Usage::
 
     python bench/ddp.py [--ranks 2] [--models mlp,gpt] [--steps 8] [--warmup 2] [--rounds 2]
-        [--caps 1,5,25,100] [--quick] [--markdown out.md] [--op-timeout 300] [--timeout S]
+        [--caps 1,5,25,100] [--quick] [--loader-workers N [--loader-ms 100]] [--markdown out.md]
+        [--op-timeout 300] [--timeout S]
 
 ``--ranks`` processes (forkserver, one torch thread each) join a ringlet default group (shm)
 and a torch gloo group (file:// rendezvous).  Models (``bench/_models.py``): (a) MLP: 4 x
@@ -31,6 +32,11 @@ step / the no-sync step run next to it (same mode); "vs torch" = each step / tor
 the same iteration (below 1: faster than torch); the no-sync row pools the main modes' no-sync
 steps.
 
+``--loader-workers N``: each rank draws every step's batch from a ``torch.utils.data.DataLoader``
+with ``num_workers=N`` (inside the timed step), as a training job does; each batch costs its
+worker ``--loader-ms`` of CPU time (decoding, augmenting), so the workers compete with the ranks
+for the cores.  Without it every step reuses one batch made up front.
+
 Overlap, from the reducer's own statistics (``reducer.last_stats``) of each synchronised step:
 "done in bwd" = share of the gradient bytes whose all-reduce had finished when backward ended
 (communication hidden behind backward); "end of bwd" = time from the end of backward to the
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import tempfile
@@ -51,6 +58,7 @@ from datetime import timedelta
 from typing import Any
 
 import _common as common
+import _loader
 import _models as models
 import torch
 
@@ -71,8 +79,13 @@ class Config:
     op_timeout: float
     timeout: float
     markdown: str | None = None
+    loader_workers: int = 0     # DataLoader(num_workers=...) per rank; 0: one fixed batch
+    loader_ms: float = 100.0    # CPU milliseconds a worker spends on one batch
 
     def __post_init__(self) -> None:
+        if self.loader_workers < 0 or self.loader_ms < 0:
+            raise ValueError(f"expected --loader-workers >= 0 and --loader-ms >= 0, got "
+                             f"{self.loader_workers}, {self.loader_ms}")
         if self.ranks < 2:
             raise ValueError(f"expected --ranks >= 2, got {self.ranks}")
         bad = [m for m in self.models if m not in MODELS]
@@ -94,6 +107,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--caps", default="1,5,25,100", help="bucket_cap_mb sweep (MiB)")
     p.add_argument("--quick", action="store_true", help="MLP only, 3 steps, 1 round, no sweep")
+    p.add_argument("--loader-workers", type=int, default=0, metavar="N",
+                   help="draw each step's batch from a DataLoader with N worker processes per rank")
+    p.add_argument("--loader-ms", type=float, default=100.0,
+                   help="with --loader-workers: CPU ms a worker spends making one batch")
     p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
     p.add_argument("--op-timeout", type=float, default=300.0, help="collective timeout, s")
     p.add_argument("--timeout", type=float, default=None, help="whole-run backstop, s")
@@ -108,7 +125,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         timeout = 120.0 + 2 * 12.0 * len(names) * n_modes * rounds * (steps + a.warmup) \
             if a.timeout is None else a.timeout
         return Config(ranks=a.ranks, models=names, steps=steps, warmup=a.warmup, rounds=rounds,
-                      caps=caps, op_timeout=a.op_timeout, timeout=timeout, markdown=a.markdown)
+                      caps=caps, op_timeout=a.op_timeout, timeout=timeout, markdown=a.markdown,
+                      loader_workers=a.loader_workers, loader_ms=a.loader_ms)
     except ValueError as e:
         p.error(str(e))
         raise  # unreachable: p.error exits
@@ -117,11 +135,17 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 # ---------------------------------------------------------------- in each rank
 
 
-def _build(name: str, rank: int) -> tuple[torch.nn.Module, Any, Callable[..., torch.Tensor]]:
+def _build(name: str) -> tuple[torch.nn.Module, Callable[..., torch.Tensor]]:
     torch.manual_seed(0)
     if name == "mlp":
-        return models.mlp(), models.mlp_batch(BATCH[name], seed=rank), models.mlp_loss
-    return models.GPT(), models.gpt_batch(BATCH[name], seed=rank), models.gpt_loss
+        return models.mlp(), models.mlp_loss
+    return models.GPT(), models.gpt_loss
+
+
+def _make_batch(name: str, seed: int) -> Any:
+    if name == "mlp":
+        return models.mlp_batch(BATCH[name], seed=seed)
+    return models.gpt_batch(BATCH[name], seed=seed)
 
 
 def _wrap(mode: str, module: torch.nn.Module) -> torch.nn.Module:
@@ -151,9 +175,10 @@ class _Runner:
     ran (both libraries), so the same parameters, gradients and optimizer state serve both.
     """
 
-    def __init__(self, name: str, mode: str, rank: int) -> None:
+    def __init__(self, name: str, mode: str, batches: Callable[[], Any]) -> None:
         self.mode = mode
-        self.plain, self.batch, self.loss_fn = _build(name, rank)
+        self.plain, self.loss_fn = _build(name)
+        self.batches = batches
         self.model = _wrap(mode, self.plain)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.stats: list[tuple[float, float]] = []   # per synced step: share done in backward, finalize s
@@ -163,7 +188,8 @@ class _Runner:
 
         rdist.barrier()
         t0 = time.perf_counter()
-        self.loss_fn(self.model if synced else self.plain, self.batch).backward()
+        batch = self.batches()
+        self.loss_fn(self.model if synced else self.plain, batch).backward()
         self.opt.step()
         self.opt.zero_grad()
         dt = time.perf_counter() - t0
@@ -173,7 +199,8 @@ class _Runner:
         return dt
 
 
-def _interleaved(cfg: Config, name: str, modes: list[str], rank: int) -> dict[str, dict[str, Any]]:
+def _interleaved(cfg: Config, name: str, modes: list[str],
+                 batches: Callable[[], Any]) -> dict[str, dict[str, Any]]:
     """Time ``modes`` together: each timed iteration runs a no-sync and a synced step of every mode.
 
     Interleaving puts every mode and its own no-sync baseline under the same machine noise, so the
@@ -181,7 +208,7 @@ def _interleaved(cfg: Config, name: str, modes: list[str], rank: int) -> dict[st
     """
     import torch.distributed as tdist
 
-    runners = [_Runner(name, m, rank) for m in modes]
+    runners = [_Runner(name, m, batches) for m in modes]
     for _ in range(cfg.warmup):
         for r in runners:
             r.step(False), r.step(True)
@@ -242,16 +269,31 @@ def _bench_model(cfg: Config, name: str, rank: int) -> dict[str, Any]:
     """The main modes together, then each bucket cap of the sweep with its own no-sync steps."""
     groups = [MAIN_MODES] + [[f"packed cap={c:g}"] for c in cfg.caps]
     merged: dict[str, dict[str, Any]] = {}
-    for rnd in range(cfg.rounds):
-        for group in groups if rnd % 2 == 0 else groups[::-1]:
-            for mode, res in _interleaved(cfg, name, list(group), rank).items():
-                m = merged.setdefault(mode, {"plain": [], "ddp": []})
-                m["plain"] += res.pop("plain")
-                m["ddp"] += res.pop("ddp")
-                m.update(res)
-                if rank == 0:
-                    print(f"  {name:<4} {mode:<16} round {rnd}: no-sync {common.median(m['plain']) * 1e3:8.1f} ms"
-                          f"  synced {common.median(m['ddp']) * 1e3:8.1f} ms", file=sys.stderr, flush=True)
+    make = functools.partial(_make_batch, name)
+    batches, close = _loader.batch_source(make, rank, cfg.loader_workers, cfg.loader_ms)
+    try:
+        for rnd in range(cfg.rounds):
+            for group in groups if rnd % 2 == 0 else groups[::-1]:
+                _run_group(cfg, name, list(group), rank, rnd, batches, merged)
+    finally:
+        close()
+    return _summarize(name, merged)
+
+
+def _run_group(cfg: Config, name: str, group: list[str], rank: int, rnd: int,
+               batches: Callable[[], Any], merged: dict[str, dict[str, Any]]) -> None:
+    """One round of ``group``'s modes, merged into ``merged`` (mode -> samples and stats)."""
+    for mode, res in _interleaved(cfg, name, group, batches).items():
+        m = merged.setdefault(mode, {"plain": [], "ddp": []})
+        m["plain"] += res.pop("plain")
+        m["ddp"] += res.pop("ddp")
+        m.update(res)
+        if rank == 0:
+            print(f"  {name:<4} {mode:<16} round {rnd}: no-sync {common.median(m['plain']) * 1e3:8.1f} ms"
+                  f"  synced {common.median(m['ddp']) * 1e3:8.1f} ms", file=sys.stderr, flush=True)
+
+
+def _summarize(name: str, merged: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for m in merged.values():
         m["plain_s"], m["ddp_s"] = common.median(m["plain"]), common.median(m["ddp"])
         # Paired ratios: each synced step against the no-sync step run right next to it.
@@ -319,6 +361,9 @@ def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
              (f"setup: {cfg.ranks} ranks x 1 torch thread, ringlet shm vs torch gloo, AdamW, "
               f"{cfg.warmup} warm-up + {cfg.steps} timed steps x {cfg.rounds} rounds per mode; "
               f"step = median of the slowest rank's step times")]
+    if cfg.loader_workers:
+        lines.append(f"data: each rank draws every step's batch from a DataLoader(num_workers="
+                     f"{cfg.loader_workers}); a worker spends {cfg.loader_ms:g} ms of CPU per batch")
     if not markdown:
         return "\n".join(lines) + "\n"
     lines[0] = f"command: `{common.command_line()}`"
