@@ -233,3 +233,34 @@ def test_state_dict_round_trips(tmp_path) -> None:
     for r in run_threads(_state_dicts, 2, str(tmp_path)):
         assert r == {"keys": ["down.bias", "down.weight", "up.bias", "up.weight"], "types": ["DTensor"],
                      "loaded": True, "plain": True, "full": True}
+
+
+def _clip_mixed(rank: int, n: int) -> tuple[str, float]:
+    from ringlet.distributed.tensor.experimental import implicit_replication
+
+    mesh = init_device_mesh("cpu", (n,))
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 8), nn.Linear(8, 4))
+    parallelize_module(m, mesh, {"1": ColwiseParallel(), "2": RowwiseParallel()})
+    m(torch.ones(2, 4)).sum().backward()
+    try:
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    with implicit_replication():
+        total = torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)
+    value = total.full_tensor() if hasattr(total, "full_tensor") else total
+    return refused, float(value)
+
+
+def test_clip_grad_norm_over_mixed_plain_and_dtensor_parameters() -> None:
+    # plain (replicated) LayerNorm params beside TP DTensors: torch's error outside
+    # implicit_replication; inside it, the norm counts each replicated parameter once
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 8), nn.Linear(8, 4))
+    ref(torch.ones(2, 4)).sum().backward()
+    want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+    for refused, total in run_threads(_clip_mixed, 2):
+        assert "expected DTensor arguments only" in refused and "torch.Tensor of shape []" in refused
+        assert abs(total - want) < 1e-4 * max(1.0, want), (total, want)

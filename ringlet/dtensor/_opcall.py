@@ -41,6 +41,18 @@ def flatten(values: Sequence[Any]) -> tuple[list[Any], Spec]:
     return flat, spec
 
 
+def _list_positions(spec: Spec) -> frozenset[int]:
+    """Positions in the flat argument list that are elements of a list or tuple argument."""
+    out: list[int] = []
+    i = 0
+    for entry in spec:
+        n = 1 if entry is None else entry[1]
+        if entry is not None:
+            out.extend(range(i, i + n))
+        i += n
+    return frozenset(out)
+
+
 def unflatten(flat: Sequence[Any], spec: Spec, start: int = 0) -> tuple[list[Any], int]:
     """Inverse of :func:`flatten`; returns (values, next position)."""
     out: list[Any] = []
@@ -96,13 +108,22 @@ class OpCall:
         self.mesh = _mesh_of(func, self.flat)
         self.dts: list[DTensor] = []
         self.positions: list[int] = []
+        in_list = _list_positions(self.spec)
+        adopted = False
         for i, x in enumerate(self.flat):
             if isinstance(x, torch.Tensor):
-                if not isinstance(x, DTensor) and x.dim() > 0:
+                # a 0-d plain tensor is a scalar operand, except as an element of a Tensor[]
+                # argument (stack, cat, foreach ops), where it stands for a whole value
+                if not isinstance(x, DTensor) and (x.dim() > 0 or i in in_list):
                     x = self.flat[i] = self._adopt(i, x)
+                    adopted = True
                 if isinstance(x, DTensor):
                     self.dts.append(x)
                     self.positions.append(i)
+        if adopted:                     # rules read ``args``: they must see the adopted values
+            n = len(args)
+            values, _ = unflatten(self.flat, self.spec)
+            self.args, self.kwargs = tuple(values[:n]), dict(zip(kwargs, values[n:]))
         where = {pos: k for k, pos in enumerate(self.positions)}
         ranges: list[list[int | None]] = []
         offset = 0
