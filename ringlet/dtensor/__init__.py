@@ -1,5 +1,7 @@
 """DTensor (layer 6): placements, the DTensor class, redistribution and sharding rules."""
 
+# Loading the dispatcher installs DTensor.__torch_dispatch__ and registers the sharding rules.
+from ringlet.dtensor import _dispatch  # noqa: F401
 from ringlet.dtensor._api import DTensor, distribute_tensor, serialization_globals
 from ringlet.dtensor._factory import empty, full, ones, rand, randn, zeros
 from ringlet.dtensor._module import distribute_module

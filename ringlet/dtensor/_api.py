@@ -63,8 +63,10 @@ class DTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),  # type: ignore[override]
                            kwargs: dict[str, Any] | None = None) -> Any:
-        # Replaced by ``_dispatch.torch_dispatch`` once that module is loaded (end of this file).
-        return _dispatch.torch_dispatch(cls, func, types, args, kwargs)
+        # Replaced by ``_dispatch.torch_dispatch`` when that module loads (``ringlet.dtensor``
+        # imports it): the dispatcher needs this class, so this module cannot import it.
+        raise AssertionError(f"DTensor: {func}: the dispatcher (ringlet.dtensor._dispatch) is not "
+                             "loaded; import ringlet.dtensor")
 
     # -- layout ---------------------------------------------------------------------------
     @property
@@ -394,8 +396,3 @@ def _check_local(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
 _DTYPE_CODES = {dt: i for i, dt in enumerate([
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128])}
-
-from ringlet.dtensor import _dispatch
-
-# The hook is the hot path itself: one Python frame less per op ([Note: dispatch cache]).
-DTensor.__torch_dispatch__ = classmethod(_dispatch.torch_dispatch)  # type: ignore[assignment]

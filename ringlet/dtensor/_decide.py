@@ -15,6 +15,7 @@ import torch
 from ringlet.dtensor import _shard_math
 from ringlet.dtensor._api import DTensor
 from ringlet.dtensor._opcall import OpCall
+from ringlet.dtensor._ops import family_rule
 from ringlet.dtensor._plan import (
     LOCAL,
     MANY,
@@ -42,8 +43,6 @@ def rule_for(func: Any) -> Any:
     """The registered rule of ``func`` (overload, then packet, then family), or None."""
     rule = RULES.get(func) or RULES.get(func.overloadpacket)
     if rule is None:
-        from ringlet.dtensor._ops import family_rule
-
         rule = family_rule(func)
     return rule
 

@@ -45,23 +45,16 @@ import torch
 
 from ringlet.dtensor._api import DTensor
 from ringlet.dtensor._decide import decide, local_spec
-from ringlet.dtensor._opcall import OpCall
 from ringlet.dtensor._plan import (
     LOCAL,
     MANY,
-    NO_CACHE,
     ONE,
-    OVERRIDES,
-    RULES,
     WRITTEN,
-    Plan,
-    register,
 )
 from ringlet.dtensor._redistribute import redistribute_local
 from ringlet.dtensor._spec import DTensorSpec
 
-__all__ = ["NO_CACHE", "OVERRIDES", "RULES", "OpCall", "Plan", "dispatch", "register", "torch_dispatch",
-           "wrap_local"]
+__all__ = ["dispatch", "torch_dispatch", "wrap_local"]
 
 aten = torch.ops.aten
 _new_wrapper = torch.Tensor._make_wrapper_subclass
@@ -190,4 +183,6 @@ def _finish(kind: int, out: Any, res: Any, args: tuple[Any, ...], kwargs: dict[s
     return res
 
 
-from ringlet.dtensor import _ops  # noqa: F401  (registers the rules)
+# The hook is the hot path itself: one Python frame less per op ([Note: dispatch cache]).  The
+# package imports this module, so DTensor never runs without it.
+DTensor.__torch_dispatch__ = classmethod(torch_dispatch)  # type: ignore[assignment]

@@ -1,4 +1,7 @@
-"""Sharding rules per op family; importing this package registers them with ``_dispatch``."""
+"""Sharding rules per op family; importing this package registers them in ``_plan.RULES``.
+
+The dispatcher (``_decide``) imports it, so every rule is registered before the first op.
+"""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from ringlet.dtensor._dispatch import OpCall
+from ringlet.dtensor._api import DTensor
+from ringlet.dtensor._opcall import OpCall
 from ringlet.dtensor._spec import Placements
 from ringlet.dtensor.placements import Partial, Placement, Replicate, Shard
 from ringlet.mesh import DeviceMesh
@@ -124,8 +125,6 @@ def _numbers(v: Any) -> bool:
 
 
 def _plain_scalar(x: Any) -> bool:
-    from ringlet.dtensor._api import DTensor
-
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
 
 

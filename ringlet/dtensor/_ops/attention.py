@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ringlet.dtensor._dispatch import OpCall, Plan, register
+from ringlet.dtensor._opcall import OpCall
 from ringlet.dtensor._ops._common import broadcast_req
+from ringlet.dtensor._plan import Plan, register
 from ringlet.dtensor._spec import Placements
 from ringlet.dtensor.placements import Placement, Replicate, Shard
 

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from ringlet.dtensor import _shard_math
-from ringlet.dtensor._dispatch import OpCall, Plan, register
+from ringlet.dtensor._opcall import OpCall
 from ringlet.dtensor._ops._common import choose
+from ringlet.dtensor._plan import Plan, register
 from ringlet.dtensor.placements import Partial, Placement, Replicate, Shard
 
 __all__: list[str] = []

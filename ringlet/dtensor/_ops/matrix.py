@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from ringlet.dtensor._dispatch import OpCall, Plan, register
+from ringlet.dtensor._opcall import OpCall
 from ringlet.dtensor._ops._common import broadcast_req, choose
+from ringlet.dtensor._plan import Plan, register
 from ringlet.dtensor.placements import Partial, Placement, Replicate, Shard
 
 __all__ = ["mm_strategies"]

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from ringlet.dtensor._api import DTensor
-from ringlet.dtensor._dispatch import OpCall, Plan, register
-from ringlet.dtensor._opcall import broadcast_shapes
+from ringlet.dtensor._opcall import OpCall, broadcast_shapes
 from ringlet.dtensor._ops._common import linearity, plan_pointwise
+from ringlet.dtensor._plan import Plan, register
 from ringlet.dtensor._spec import Placements
 from ringlet.dtensor.placements import Partial, Replicate
 

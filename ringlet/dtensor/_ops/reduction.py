@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from ringlet.dtensor._dispatch import OpCall, Plan, register
+from ringlet.dtensor._opcall import OpCall
+from ringlet.dtensor._plan import Plan, register
 from ringlet.dtensor._spec import Placements
 from ringlet.dtensor.placements import Partial, Placement, Replicate, Shard, _NormPartial
 
