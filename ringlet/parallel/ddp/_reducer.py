@@ -46,9 +46,10 @@ from ringlet.c10d import (
     all_reduce,
     broadcast,
 )
+from ringlet.c10d.buffers import comm_buffer, is_comm_buffer
 from ringlet.errors import DistError
 from ringlet.parallel.ddp import _graph
-from ringlet.parallel.ddp._bucket_state import Bucket, Layout
+from ringlet.parallel.ddp._bucket_state import Bucket, BucketMemory, Layout
 from ringlet.parallel.ddp._buckets import complete_order
 from ringlet.parallel.ddp._grad_bucket import GradBucket
 
@@ -96,7 +97,7 @@ class Reducer:
         self.params = params
         self.names = names
         self.pg = pg
-        self.layout = Layout(params, cap_bytes, gradient_as_bucket_view, caps)
+        self.layout = Layout(params, cap_bytes, gradient_as_bucket_view, caps, _bucket_memory(pg))
         self.find_unused = find_unused_parameters
         self.static_graph = static_graph
         self.skip_unused = skip_all_reduce_unused_params
@@ -418,6 +419,15 @@ class Reducer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _bucket_memory(pg: Any) -> BucketMemory | None:
+    """Buckets in ``pg``'s shared memory where its collectives read them in place; None where
+    they would be ordinary tensors anyway ([Note: buckets in shared memory])."""
+    if not is_comm_buffer(comm_buffer(1, group=pg), group=pg):
+        return None
+    return BucketMemory(lambda numel, dtype: comm_buffer(numel, dtype, group=pg).zero_(),
+                        lambda t: is_comm_buffer(t, group=pg))
 
 
 def _work_value(work: Any) -> torch.Tensor:
