@@ -69,6 +69,11 @@ def _rank_not_in_group(group: Any) -> bool:
 
 
 def _get_process_group_name(pg: Any) -> str:
+    """torch's name of a group: its ``group_name``.
+
+    Raises:
+        ValueError: ``pg`` is not a process group this rank belongs to.
+    """
     return _member(pg, "_get_process_group_name").group_name
 
 

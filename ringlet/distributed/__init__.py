@@ -2,7 +2,10 @@
 
 Migrate a script by replacing ``torch.distributed`` with ``ringlet.distributed``.
 This module only re-exports; the implementation lives in ``ringlet.c10d``
-(process groups), ``ringlet.store`` and ``ringlet.transport``.
+(process groups), ``ringlet.store`` and ``ringlet.transport``.  Its names are the lists of
+the packages it re-exports (each kept once, in that package's ``__all__``), plus torch's
+aliases ``all_gather_single`` / ``reduce_scatter_single``, ``GradBucket`` (DDP's, which torch
+also publishes here) and the ``distributed_c10d`` submodule.
 """
 
 from ringlet.c10d import *
@@ -14,26 +17,14 @@ from ringlet.c10d.world_info import (  # noqa: F401 - torch's private names that
     _get_pg_config,
     _rank_not_in_group,
 )
-from ringlet.errors import (
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    DistBackendError,
-    DistError,
-    DistNetworkError,
-    DistStoreError,
-    GroupAbortedError,
-    PeerFailureError,
-    QueueEmptyError,
-)
-from ringlet.mesh import DeviceMesh, init_device_mesh
+from ringlet.distributed import distributed_c10d
+from ringlet.errors import *
+from ringlet.errors import __all__ as _errors_all
+from ringlet.mesh import *
+from ringlet.mesh import __all__ as _mesh_all
 from ringlet.parallel.ddp import GradBucket
-from ringlet.store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from ringlet.store import *
+from ringlet.store import __all__ as _store_all
 
-__all__ = [
-    *_c10d_all, "all_gather_single", "reduce_scatter_single", "DistError", "DistBackendError",
-    "DistNetworkError", "DistStoreError", "CollectiveTimeoutError", "CollectiveMismatchError",
-    "PeerFailureError", "GroupAbortedError", "TCPStore", "FileStore", "HashStore", "PrefixStore", "Store",
-    "DeviceMesh", "init_device_mesh", "GradBucket", "QueueEmptyError", "distributed_c10d",
-]
-
-from ringlet.distributed import distributed_c10d  # the submodule, after the names it re-exports
+__all__ = [*_c10d_all, *_errors_all, *_store_all, *_mesh_all, "GradBucket", "all_gather_single",
+           "reduce_scatter_single", "distributed_c10d"]

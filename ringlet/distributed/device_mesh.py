@@ -1,5 +1,4 @@
 """``ringlet.distributed.device_mesh``: torch's ``torch.distributed.device_mesh`` (re-exports only)."""
 
-from ringlet.mesh import DeviceMesh, init_device_mesh
-
-__all__ = ["DeviceMesh", "init_device_mesh"]
+from ringlet.mesh import *
+from ringlet.mesh import __all__  # noqa: F401

@@ -7,12 +7,12 @@ helpers that published code reaches for through this path (``_get_default_group`
 
 from ringlet.c10d import *
 from ringlet.c10d import __all__ as _c10d_all
-from ringlet.c10d.world_info import (  # noqa: F401 - re-exported (see __all__)
+from ringlet.c10d.world_info import (
     _get_default_group,
     _get_pg_config,
     _get_process_group_name,
     _rank_not_in_group,
 )
 
-__all__ = [*_c10d_all, "_get_default_group",  # noqa: PLE0604 "_get_pg_config", "_get_process_group_name",
+__all__ = [*_c10d_all, "_get_default_group", "_get_pg_config", "_get_process_group_name",
            "_rank_not_in_group"]

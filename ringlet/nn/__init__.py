@@ -1,6 +1,10 @@
-"""``ringlet.nn``: torch.nn's distributed parts (``SyncBatchNorm``; ``ringlet.nn.parallel`` for DDP). Re-exports only."""
+"""``ringlet.nn``: torch.nn's distributed parts (``SyncBatchNorm``; ``ringlet.nn.parallel`` for DDP).
+
+Re-exports only.
+"""
 
 from ringlet.nn import parallel
-from ringlet.parallel.sync_batchnorm import SyncBatchNorm
+from ringlet.parallel.sync_batchnorm import *
+from ringlet.parallel.sync_batchnorm import __all__ as _sync_batchnorm_all
 
-__all__ = ["SyncBatchNorm", "parallel"]
+__all__ = [*_sync_batchnorm_all, "parallel"]

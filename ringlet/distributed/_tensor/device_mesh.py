@@ -1,5 +1,4 @@
 """``ringlet.distributed._tensor.device_mesh``: legacy path of ``DeviceMesh`` (re-exports only)."""
 
-from ringlet.mesh import DeviceMesh, init_device_mesh
-
-__all__ = ["DeviceMesh", "init_device_mesh"]
+from ringlet.mesh import *
+from ringlet.mesh import __all__  # noqa: F401

@@ -1,5 +1,4 @@
 """``ringlet.distributed.algorithms``: torch.distributed.algorithms' public names (re-exports only)."""
 
-from ringlet.parallel.join import Join, Joinable, JoinHook
-
-__all__ = ["Join", "JoinHook", "Joinable"]
+from ringlet.parallel.join import *
+from ringlet.parallel.join import __all__  # noqa: F401

@@ -1,5 +1,4 @@
 """``ringlet.distributed.algorithms.join``: ``Join``, ``Joinable``, ``JoinHook`` (implemented in ringlet.parallel.join)."""
 
-from ringlet.parallel.join import Join, Joinable, JoinHook
-
-__all__ = ["Join", "JoinHook", "Joinable"]
+from ringlet.parallel.join import *
+from ringlet.parallel.join import __all__  # noqa: F401

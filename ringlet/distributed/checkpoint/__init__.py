@@ -4,28 +4,5 @@ The implementation lives in ``ringlet.checkpoint`` (layer 8); the format is in d
 ``python -m ringlet.distributed.checkpoint`` lists, verifies and converts checkpoints.
 """
 
-from ringlet.checkpoint import (
-    CheckpointException,
-    DefaultLoadPlanner,
-    DefaultSavePlanner,
-    FileSystemReader,
-    FileSystemWriter,
-    Metadata,
-    async_save,
-    load,
-    save,
-)
-from ringlet.checkpoint.stateful import Stateful
-
-__all__ = [
-    "CheckpointException",
-    "DefaultLoadPlanner",
-    "DefaultSavePlanner",
-    "FileSystemReader",
-    "FileSystemWriter",
-    "Metadata",
-    "Stateful",
-    "async_save",
-    "load",
-    "save",
-]
+from ringlet.checkpoint import *
+from ringlet.checkpoint import __all__  # noqa: F401

@@ -1,23 +1,7 @@
-"""``ringlet.distributed.fsdp``: torch's ``torch.distributed.fsdp`` (FSDP2's ``fully_shard``); re-exports only."""
+"""``ringlet.distributed.fsdp``: torch's ``torch.distributed.fsdp`` (FSDP2's ``fully_shard``).
 
-from ringlet.parallel.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    UnshardHandle,
-    fully_shard,
-    register_fsdp_forward_method,
-    share_comm_ctx,
-)
+Re-exports ``ringlet.parallel.fsdp`` and its ``__all__``, the one list of these names.
+"""
 
-__all__ = [
-    "CPUOffloadPolicy",
-    "FSDPModule",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "UnshardHandle",
-    "fully_shard",
-    "register_fsdp_forward_method",
-    "share_comm_ctx",
-]
+from ringlet.parallel.fsdp import *
+from ringlet.parallel.fsdp import __all__  # noqa: F401

@@ -1,6 +1,9 @@
 """``ringlet.distributed.tensor``: torch's ``torch.distributed.tensor`` (re-exports only).
 
-The implementation lives in ``ringlet.dtensor`` (layer 6) and ``ringlet.mesh`` (layer 5).
+The implementation lives in ``ringlet.dtensor`` (layer 6) and ``ringlet.mesh`` (layer 5).  The
+names are the mesh's list and torch's part of ``ringlet.dtensor``, whose other names
+(``CommDebugMode``, ``implicit_replication``) live at torch's submodules ``debug`` and
+``experimental``.
 """
 
 from ringlet.dtensor import (
@@ -18,11 +21,12 @@ from ringlet.dtensor import (
     randn,
     zeros,
 )
-from ringlet.mesh import DeviceMesh, init_device_mesh
+from ringlet.mesh import *
+from ringlet.mesh import __all__ as _mesh_all
 
 __all__ = [
+    *_mesh_all,
     "DTensor",
-    "DeviceMesh",
     "Partial",
     "Placement",
     "Replicate",
@@ -31,7 +35,6 @@ __all__ = [
     "distribute_tensor",
     "empty",
     "full",
-    "init_device_mesh",
     "ones",
     "rand",
     "randn",

@@ -1,5 +1,4 @@
 """``ringlet.distributed.tensor.debug``: ``CommDebugMode`` (re-exports only)."""
 
-from ringlet.dtensor.debug import CommDebugMode
-
-__all__ = ["CommDebugMode"]
+from ringlet.dtensor.debug import *
+from ringlet.dtensor.debug import __all__  # noqa: F401

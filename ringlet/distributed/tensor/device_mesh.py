@@ -1,5 +1,4 @@
 """``ringlet.distributed.tensor.device_mesh``: ``DeviceMesh`` where torch also has it (re-exports only)."""
 
-from ringlet.mesh import DeviceMesh, init_device_mesh
-
-__all__ = ["DeviceMesh", "init_device_mesh"]
+from ringlet.mesh import *
+from ringlet.mesh import __all__  # noqa: F401

@@ -3,6 +3,5 @@
 ``from ringlet.nn.parallel import DistributedDataParallel`` (implemented in ``ringlet.parallel.ddp``).
 """
 
-from ringlet.nn.parallel.distributed import DistributedDataParallel
-
-__all__ = ["DistributedDataParallel"]
+from ringlet.nn.parallel.distributed import *
+from ringlet.nn.parallel.distributed import __all__  # noqa: F401

@@ -1,1 +1,3 @@
 """``ringlet.distributed.elastic.multiprocessing`` (torch's path); see ``.errors``."""
+
+__all__: list[str] = []

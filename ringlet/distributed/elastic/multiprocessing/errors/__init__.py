@@ -1,6 +1,6 @@
 """``ringlet.distributed.elastic.multiprocessing.errors``: ``record`` at torch's path
-(implemented in ``ringlet.launcher.errors``)."""
+(implemented in ``ringlet.launcher.errors``).
+"""
 
-from ringlet.launcher.errors import ErrorHandler, get_error_handler, record
-
-__all__ = ["ErrorHandler", "get_error_handler", "record"]
+from ringlet.launcher.errors import *
+from ringlet.launcher.errors import __all__  # noqa: F401
