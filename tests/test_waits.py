@@ -137,7 +137,7 @@ def test_spin_budget_follows_the_cpus_the_load_and_recent_waits(monkeypatch) -> 
 
 def _planned(arena: Arena) -> _Waiter:
     """A wait of ``arena``'s rank for rank 1, past its first SPIN_MIN_S."""
-    w = _Waiter(arena, _ctx())
+    w = _Waiter(arena, _ctx(), time.monotonic())
     w.plan([1], time.monotonic())
     return w
 

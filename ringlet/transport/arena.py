@@ -38,6 +38,7 @@ from ringlet.transport.arena_wait import (
     FIRST_NAP,
     LIVENESS_PERIOD,
     MAX_SLEEP,
+    QUICK_POLLS,
     SPIN_MIN_S,
     Doorbell,
     Spinner,
@@ -270,19 +271,24 @@ class Arena:
             if q[H_ABORT]:   # peers may have arrived before the group was aborted: still refuse
                 raise self.aborted_error(ctx)
             return
-        waiter = _Waiter(self, ctx)
-        self.wait_since = waiter.t0         # counted by wait_total() while it lasts
+        t0 = time.monotonic()
+        for _ in range(QUICK_POLLS):        # the peer is usually about to post: no bookkeeping yet
+            still = [k for k in pending if q[idx[k]] < value]
+            if not still:
+                if q[H_ABORT]:
+                    raise self.aborted_error(ctx)
+                self._blame([ranks[k] for k in pending], time.monotonic() - t0)
+                return
+            pending = still
+        waiter = _Waiter(self, ctx, t0)
+        self.wait_since = t0                # counted by wait_total() while it lasts
         try:
             while True:
                 still = [k for k in pending if q[idx[k]] < value]
                 if not still:
-                    # Blame the wait on the ranks that arrived last (ringlet.distributed.stats()).
-                    waited = time.monotonic() - waiter.t0
                     if waiter.spun:
                         self.spinner.waited(waiter.spin_end != 0.0)
-                    self.wait_s += waited
-                    for k in pending:
-                        self.late_s[ranks[k]] = self.late_s.get(ranks[k], 0.0) + waited
+                    self._blame([ranks[k] for k in pending], time.monotonic() - t0)
                     return
                 pending = still
                 if not waiter.spin():
@@ -290,6 +296,12 @@ class Arena:
                                  functools.partial(self._all_ge, idx, pending, value))
         finally:
             self.wait_since = 0.0
+
+    def _blame(self, late: list[int], waited: float) -> None:
+        """Count a wait, on the ranks that arrived last (``ringlet.distributed.stats()``)."""
+        self.wait_s += waited
+        for r in late:
+            self.late_s[r] = self.late_s.get(r, 0.0) + waited
 
     def _all_ge(self, idx: Sequence[int], ks: list[int], value: int) -> bool:
         q = self.q
@@ -305,7 +317,7 @@ class Arena:
                     ctx: OpContext) -> int:
         """Wait until some ``q[idx[k]] > values[k]``; returns that k (lowest first)."""
         q = self.q
-        waiter = _Waiter(self, ctx)
+        waiter = _Waiter(self, ctx, time.monotonic())
         while True:
             for k in range(len(idx)):
                 if q[idx[k]] > values[k]:
@@ -362,10 +374,10 @@ class _Waiter:
     __slots__ = ("arena", "ctx", "nap", "next_live", "planned", "spin_end", "spun", "t0",
                  "yielding")
 
-    def __init__(self, arena: Arena, ctx: OpContext) -> None:
+    def __init__(self, arena: Arena, ctx: OpContext, now: float) -> None:
         self.arena = arena
         self.ctx = ctx
-        self.t0 = now = time.monotonic()
+        self.t0 = now
         # Most waits end within SPIN_MIN_S: that much spinning is decided without looking at
         # anything; the rest of the budget only once it has passed (plan()).
         self.spun = arena.spinner.allowed

@@ -5,7 +5,8 @@ Every wait of the arena protocol (``Arena.wait_ge``, ``wait_any_gt``, ``wait_all
 does not find its flags set at once runs in two phases; the group's abort flag is looked at in
 both, the peers' liveness and the deadline whenever it is about to sleep.
 
-1. **Spin** -- re-read the flags in a loop for at most :meth:`Spinner.budget` seconds.  A flag
+1. **Spin** -- re-read the flags QUICK_POLLS times (~2 us; most waits end there, and cost
+   nothing more), then in a loop for at most :meth:`Spinner.budget` seconds.  A flag
    round trip between two processes that both run costs ~1 us here, a futex wake-up of a rank
    whose core went to another task 20-100 us: spinning wins while the awaited rank runs.  So:
    - no spinning at all when the job's ranks on this kernel outnumber the CPUs
@@ -66,6 +67,7 @@ FIRST_NAP = 50e-6         # first futex timeout: the bound on a missed wake-up's
 MAX_SLEEP = 1e-3          # longest sleep of the back-off without futexes
 
 # Spin budgets ([Note: arena waits]; chosen by measuring bench/collectives.py on 2 cores).
+QUICK_POLLS = 16          # re-reads (~2 us) before a wait starts any bookkeeping
 SPIN_MAX_S = 200e-6       # quiet machine: covers a peer that copies a 1 MiB chunk meanwhile
 CONTENDED_SPIN_S = 40e-6  # busy machine: 10 and 20 us caught fewer co-running peers
 SPIN_MIN_S = 5e-6         # when spinning rarely pays: catches a peer just about to post
@@ -136,8 +138,8 @@ class Spinner:
 
     ``allowed`` is False when the job's ranks outnumber the CPUs: no spinning at all.  Otherwise
     a wait spins up to SPIN_MAX_S on a quiet machine and CONTENDED_SPIN_S on a busy one, as long
-    as spinning pays: ``hits``, a running average over recent waits of "ended while spinning",
-    stays above MIN_HITS.  Below it (the peer is usually far behind: waits last longer than any
+    as spinning pays: ``hits``, a running average of "ended while spinning" over the recent waits
+    that outlasted their QUICK_POLLS, stays above MIN_HITS.  Below it (the peer is usually far behind: waits last longer than any
     spin) a wait spins only SPIN_MIN_S, which still catches a peer just about to post -- and
     those catches raise ``hits`` again when waits get short.
     """
