@@ -3,8 +3,8 @@
 Names follow torch.distributed where a user would look for them
 (``DistError``, ``DistBackendError``, ``DistNetworkError``, ``DistStoreError``);
 ringlet adds specific subclasses that carry structured context so tests and
-tools can assert on fields instead of free text (RELIABILITY.md,
-"Error-message contract").
+tools can assert on fields instead of free text
+(docs/reliability.md#error-messages).
 """
 
 from __future__ import annotations

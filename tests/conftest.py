@@ -1,4 +1,5 @@
-"""Shared fixtures: the leak audit (RELIABILITY.md H1) runs after every test, pass or fail."""
+"""Shared fixtures: the leak audit (docs/reliability.md, row H1) runs after every test, pass
+or fail."""
 
 from __future__ import annotations
 

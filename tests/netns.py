@@ -1,5 +1,5 @@
-"""Simulated hosts for tests: network namespaces on one bridge (RELIABILITY.md, "What this machine
-can simulate").
+"""Simulated hosts for tests: network namespaces on one bridge
+(docs/reliability.md#simulated-hosts).
 
 ``SimNet(k)`` builds ``k`` hosts ``10.77.0.1 .. 10.77.0.k`` (namespaces ``rt_<tag>_h0..``), each with
 a veth pair whose other end is a port of a bridge in the "switch" namespace ``rt_<tag>_sw``.  The

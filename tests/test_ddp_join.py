@@ -1,4 +1,5 @@
-"""DDP with uneven inputs inside ``ddp.join()`` (RELIABILITY.md D3): shadowing ranks that ran out of data."""
+"""DDP with uneven inputs inside ``ddp.join()`` (docs/reliability.md, row D3): shadowing ranks
+that ran out of data."""
 
 from __future__ import annotations
 

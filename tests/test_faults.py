@@ -1,5 +1,6 @@
-"""Faults across real processes (RELIABILITY.md C1, C3, C4, C5, C6, C10): every survivor raises,
-in bounded time, naming the rank; the group is poisoned afterwards; nothing hangs."""
+"""Faults across real processes (docs/reliability.md, rows C1, C3, C4, C5, C6, C10): every
+survivor raises, in bounded time, naming the rank; the group is poisoned afterwards; nothing
+hangs."""
 
 from __future__ import annotations
 
@@ -155,7 +156,8 @@ def test_thawed_rank_fails_fast_instead_of_continuing() -> None:
 
 @pytest.mark.timeout(90)
 def test_two_jobs_at_once_never_mix() -> None:
-    """RELIABILITY H1: two concurrent worlds on one machine share no keys, segments or ports."""
+    """Two concurrent worlds on one machine share no keys, segments or ports (docs/reliability.md,
+    row H1)."""
     import threading
 
     out: dict[str, object] = {}

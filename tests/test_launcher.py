@@ -402,7 +402,7 @@ def test_startup_errors_and_mirror_module(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "expected --master-port" in err, err
     code, _, err, _ = _launch(tmp_path, "--nproc-per-node", "zero", "t.py")
     assert code == 2 and "expected a positive integer, 'cpu' or 'auto', got 'zero'" in err
-    with socket.create_server(("127.0.0.1", 0)) as taken:  # RELIABILITY S1
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # docs/reliability.md, row S1
         port = str(taken.getsockname()[1])
         code, _, err, elapsed = _launch(tmp_path, "--master-port", port, "t.py")
     assert code == 1 and elapsed < 10

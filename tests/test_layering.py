@@ -1,4 +1,5 @@
-"""Imports flow one way (DESIGN.md "Layers"), and nothing under ringlet/ imports torch.distributed."""
+"""Imports flow one way (docs/architecture.md#layers), and nothing under ringlet/ imports
+torch.distributed."""
 
 from __future__ import annotations
 

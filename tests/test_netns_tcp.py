@@ -1,6 +1,6 @@
 """Two simulated hosts x two ranks (network namespaces on a bridge): ``auto`` = shm within a host +
 tcp between hosts.  Every collective against a local reference, hierarchical results bit-equal to
-the flat tcp path, and a link cut in the middle of an all_reduce (RELIABILITY C2)."""
+the flat tcp path, and a link cut in the middle of an all_reduce (docs/reliability.md, row C2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""init_process_group's checks (RELIABILITY.md S5) and the group helpers, with ranks as threads."""
+"""init_process_group's checks (docs/reliability.md, row S5) and the group helpers, with ranks
+as threads."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Tests of ringlet.store: semantics on every store type, then the failure matrix
-(RELIABILITY.md S1-S4, S6, S7): timeouts, signals, bind/connect failures, a killed
+(docs/reliability.md, rows S1-S4, S6, S7): timeouts, signals, bind/connect failures, a killed
 server, hostile clients, missing workers, FileStore misuse."""
 
 from __future__ import annotations

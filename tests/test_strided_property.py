@@ -1,5 +1,6 @@
-"""Property test (RELIABILITY C8): any strided view, any collective: the result lands in the user's
-view, equal to the same collective on contiguous copies, and nothing outside the view changes."""
+"""Property test (docs/reliability.md, row C8): any strided view, any collective: the result lands
+in the user's view, equal to the same collective on contiguous copies, and nothing outside the view
+changes."""
 
 from __future__ import annotations
 

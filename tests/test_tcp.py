@@ -1,6 +1,7 @@
 """The tcp transport on loopback: planning and wire units, the handshake, every collective against a
 local reference (2 and 3 ranks), bit-equality with shm on random floats, and faults
-(RELIABILITY C1, C3, C4, C5, C6, S6): dead, stopped and departed peers, mismatches, wrong tokens."""
+(docs/reliability.md, rows C1, C3, C4, C5, C6, S6): dead, stopped and departed peers,
+mismatches, wrong tokens."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 DTensor, DDP and FSDP) hand every user tensor to :func:`tensor` or
 :func:`tensor_list` and every rank to :func:`root` / :func:`peer` before they
 allocate a sequence number.  A refused call therefore raises on the calling
-rank at once (RELIABILITY C7), nothing reaches a peer, and the group stays
+rank at once (docs/reliability.md, row C7), nothing reaches a peer, and the group stays
 usable.  What is proven here is what the transports rely on when they
 ``memmove`` to or from ``data_ptr()`` (``arena_algos``) or wrap it in a
 ``memoryview`` (``tcp.pump.mv``):

@@ -1,4 +1,4 @@
-"""Test-only fault injection, enabled by ``RINGLET_FAULT`` (RELIABILITY.md).
+"""Test-only fault injection, enabled by ``RINGLET_FAULT`` (docs/reliability.md#fault-injection).
 
 Spec: ``rank=<global rank>;at=collective:seq=<n>;do=<action>`` where action is
 one of ``sigkill``, ``sigterm``, ``sigstop``, ``abort`` (``os.abort()``),

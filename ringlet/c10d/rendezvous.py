@@ -1,7 +1,7 @@
 """Rendezvous: turn ``init_method``/env/``store`` into a store, a rank and a world size, then
 check that every rank agrees before any transport is built.
 
-Checks (RELIABILITY.md S5): local nonsense (rank >= world, negative, world 0)
+Checks (docs/reliability.md, row S5): local nonsense (rank >= world, negative, world 0)
 raises ``ValueError`` at once; a rank claimed twice, or ranks that disagree on
 world size, backend or ringlet version, fail every rank with a message naming
 the field and the ranks; ranks that never arrive are named after the timeout.

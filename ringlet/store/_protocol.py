@@ -36,7 +36,7 @@ from ringlet.store._secret import read_secret
 
 MAGIC = b"RNGLSTOR"
 VERSION = 2     # 2: the greeting names the host secret
-MAX_KEY_BYTES = 4 << 10  # 4 KiB, as RELIABILITY.md "Security" asks
+MAX_KEY_BYTES = 4 << 10  # 4 KiB: sizes are capped before allocating (docs/reliability.md, row X3)
 MAX_VALUE_BYTES = 64 << 20  # 64 MiB per value
 MAX_ARGS = 1 << 16  # keys of one multi_get/multi_set
 MAX_REQUEST_BYTES = MAX_VALUE_BYTES + (1 << 20)  # one value plus room for keys and headers

@@ -4,7 +4,7 @@ that give all stores the same semantics (counters, compare-and-set, timeouts).
 A store maps ``str`` keys to ``bytes`` values. ``get``/``wait`` block until the
 keys exist or the store's timeout passes; a timed-out call raises
 ``DistStoreError`` naming the keys, the store and the time waited, and leaves the
-store usable (RELIABILITY.md S4). Every wait is written as a loop on an absolute
+store usable (docs/reliability.md, row S4). Every wait is written as a loop on an absolute
 ``time.monotonic()`` deadline, so a signal (EINTR) can neither abort nor shorten it.
 """
 

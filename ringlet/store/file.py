@@ -7,7 +7,7 @@ from the offset they last read. ``get``/``wait`` poll with a short backoff, boun
 by their deadline. Each instance adds 1 to an internal reference count on open and
 subtracts 1 on ``close``; with ``world_size > 0`` the last one out removes the file,
 and more than ``world_size`` openers means a stale file or two jobs on one path
-(RELIABILITY.md S7).
+(docs/reliability.md, row S7).
 """
 
 from __future__ import annotations

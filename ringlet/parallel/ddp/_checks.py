@@ -2,7 +2,7 @@
 
 - :func:`verify_same_model` all-gathers every rank's parameter and buffer descriptions (name,
   shape, dtype, in registration order) and raises on *every* rank, naming the first differing
-  entry and both ranks' versions (RELIABILITY.md D1), before any tensor is broadcast -- a
+  entry and both ranks' versions (docs/reliability.md, row D1), before any tensor is broadcast -- a
   broadcast between different shapes would fail obscurely or, worse, succeed on the bytes.
 - :func:`broadcast_coalesced` copies rank ``src``'s tensors to every rank, packed into one flat
   buffer per dtype (and per ``cap_bytes``) so that a model with hundreds of small tensors costs
