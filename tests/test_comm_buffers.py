@@ -164,3 +164,19 @@ def test_bad_arguments_are_refused() -> None:
             dist.comm_buffer(4, dtype="float32")   # type: ignore[arg-type]
         assert dist.comm_buffer(0).numel() == 0
     run_threads(body, 2, timeout=30)
+
+
+# -- DDP keeps its buckets in shared memory ---------------------------------------------------------
+@pytest.mark.parametrize("as_view", [True, False])
+def test_ddp_buckets_in_shared_memory_match_the_reference_on_threads(as_view: bool) -> None:
+    for got in run_threads(bw.ddp_parity, 2, as_view, timeout=120):
+        assert got["param"] < 1e-12, got
+        # Without bucket views a solo bucket reduces .grad itself (no copy in or out).
+        assert True in got["solo"] and all(shared for shared, solo in zip(got["shared"], got["solo"])
+                                           if as_view or not solo), got
+
+
+@pytest.mark.timeout(120)
+def test_ddp_buckets_in_shared_memory_on_processes() -> None:
+    for got in raise_first(run_world(3, bw.ddp_parity, True, timeout=100)):
+        assert got["param"] < 1e-12 and all(got["shared"]), got
