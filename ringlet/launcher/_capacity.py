@@ -47,7 +47,8 @@ def max_workers(limits: Limits) -> tuple[int, str]:
     bounds: list[tuple[int, str]] = []
     if limits.open_files is not None:
         n = max(0, (limits.open_files - RESERVED_FDS) // FDS_PER_WORKER)
-        bounds.append((n, f"open files: the limit of {limits.open_files} (ulimit -n) allows {n} workers"))
+        bounds.append((n, (f"open files: the limit of {limits.open_files} (ulimit -n) allows "
+                           f"{n} workers")))
     if limits.user_processes_free is not None:
         n = max(0, limits.user_processes_free)
         bounds.append((n, f"processes: this user may start {n} more (ulimit -u)"))

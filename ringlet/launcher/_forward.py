@@ -55,7 +55,8 @@ class Sink:
     console: BinaryIO | None   # None: not shown (redirected, or filtered out)
     prefix: bytes
     file: BinaryIO | None      # the worker's log file for this stream, or None
-    live: bool = False         # the console is a terminal: redraw unfinished lines ([Note: live lines])
+    # the console is a terminal: redraw unfinished lines ([Note: live lines])
+    live: bool = False
 
 
 def _show_line(sink: Sink, text: bytes) -> None:

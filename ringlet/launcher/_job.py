@@ -57,8 +57,8 @@ def failure_summary(first: WorkerFailure, others: Sequence[WorkerFailure], attem
         lines.append("  traceback:")
         lines.extend("    " + line for line in tb.rstrip("\n").splitlines())
     else:
-        lines.append("  traceback: none recorded (the worker wrote no error file; decorate its main "
-                     "with ringlet.distributed.elastic.multiprocessing.errors.record)")
+        lines.append("  traceback: none recorded (the worker wrote no error file; decorate its "
+                     "main with ringlet.distributed.elastic.multiprocessing.errors.record)")
     if first.log_files:
         lines.append(f"  log: {' '.join(first.log_files)}")
     for f in others:
@@ -102,7 +102,8 @@ def _sink(console: bool, stream: BinaryIO, rank: int, path: str | None) -> Sink:
     if path is not None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
     return Sink(console=stream if console else None, prefix=prefix(rank, colour_wanted(stream)),
-                file=open(path, "wb") if path is not None else None, live=console and _is_tty(stream))
+                file=open(path, "wb") if path is not None else None,
+                live=console and _is_tty(stream))
 
 
 def _is_tty(stream: BinaryIO) -> bool:
@@ -121,16 +122,19 @@ def _terminal_env(out: Sink, err: Sink, rank: int) -> dict[str, str]:
 
 
 def worker_specs(run: Run, restart: int) -> list[WorkerSpec]:
-    """What each local worker of generation ``restart`` runs, with what, and where its output goes."""
+    """What each local worker of generation ``restart`` runs, with what, and
+    where its output goes."""
     config, specs = run.config, []
     for lr in range(config.nproc_per_node):
         rank = config.global_rank(lr)
-        plan = stream_plan(config.local_rank_base + lr, config.log_dir, config.redirects, config.tee,
-                           config.local_ranks_filter)
-        paths = log_paths(run.log_root, restart, config.local_rank_base + lr) if run.log_root else None
+        plan = stream_plan(config.local_rank_base + lr, config.log_dir, config.redirects,
+                           config.tee, config.local_ranks_filter)
+        paths = (log_paths(run.log_root, restart, config.local_rank_base + lr) if run.log_root
+                 else None)
         out_log = paths[0] if paths and plan.file_out else None
         err_log = paths[1] if paths and plan.file_err else None
-        hb = os.path.join(run.run_dir, f"heartbeat-gen{restart}-rank{rank}") if config.heartbeat_timeout else None
+        hb = (os.path.join(run.run_dir, f"heartbeat-gen{restart}-rank{rank}")
+              if config.heartbeat_timeout else None)
         out = _sink(plan.console_out, sys.stdout.buffer, rank, out_log)
         err = _sink(plan.console_err, sys.stderr.buffer, rank, err_log)
         env = worker_env(config, lr, restart, run.port, run_id=run.run_id, run_dir=run.run_dir,
@@ -155,7 +159,8 @@ def run_generation(run: Run, restart: int, elsewhere: Callable[[], bool] | None 
                             python_workers=not config.no_python)
     try:
         generation.start()
-        return generation.watch(config.monitor_interval, lambda: run.signals.received, elsewhere, wake_fd)
+        return generation.watch(config.monitor_interval, lambda: run.signals.received, elsewhere,
+                                wake_fd)
     except WorkerStartError as err:
         return GenerationResult("start_failed", message=str(err))
     finally:
@@ -189,7 +194,8 @@ def check_capacity(config: LaunchConfig) -> str | None:
     limit, why = max_workers(read_limits())
     if config.nproc_per_node <= limit:
         return None
-    return f"expected --nproc-per-node <= {limit} on this machine ({why}), got {config.nproc_per_node}"
+    return (f"expected --nproc-per-node <= {limit} on this machine ({why}), got "
+            f"{config.nproc_per_node}")
 
 
 def prepare(config: LaunchConfig) -> int | None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-__all__ = ["StreamPlan", "log_paths", "parse_ranks_filter", "parse_std", "stream_plan", "wants_files"]
+__all__ = ["StreamPlan", "log_paths", "parse_ranks_filter", "parse_std", "stream_plan",
+           "wants_files"]
 
 STDOUT, STDERR = 1, 2
 
@@ -60,8 +61,8 @@ def parse_ranks_filter(text: str) -> frozenset[int] | None:
     try:
         ranks = frozenset(int(r) for r in text.split(","))
     except ValueError:
-        raise ValueError(f"expected --local-ranks-filter as comma-separated local ranks such as 0,1, "
-                         f"got {text!r}") from None
+        raise ValueError("expected --local-ranks-filter as comma-separated local ranks "
+                         f"such as 0,1, got {text!r}") from None
     if any(r < 0 for r in ranks):
         raise ValueError(f"expected --local-ranks-filter ranks >= 0, got {text!r}")
     return ranks

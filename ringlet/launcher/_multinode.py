@@ -53,8 +53,9 @@ def run_nodes(config: LaunchConfig) -> int:
     where = f"{config.master_addr}:{config.master_port}"
     with Signals().installed() as signals, run_dir(token) as (rdir, token_file, tok):
         try:
-            store = TCPStore(config.master_addr, config.master_port, world_size=None, is_master=node0,
-                             timeout=timedelta(seconds=config.rdzv_timeout), wait_for_workers=False,
+            store = TCPStore(config.master_addr, config.master_port, world_size=None,
+                             is_master=node0, timeout=timedelta(seconds=config.rdzv_timeout),
+                             wait_for_workers=False,
                              token=tok, rank=-1)
         except (OSError, DistError) as err:
             say(f"could not {'host' if node0 else 'reach'} the store on {where}: {err}")
@@ -62,7 +63,8 @@ def run_nodes(config: LaunchConfig) -> int:
         try:
             where = f"{config.master_addr}:{store.port}"
             if node0:
-                say(f"node 0 hosts the rendezvous store at {where}; waiting for {config.nnodes} nodes")
+                say(f"node 0 hosts the rendezvous store at {where}; waiting "
+                    f"for {config.nnodes} nodes")
             return _join_and_run(config, store, where, signals, rdir, token_file)
         except DistError as err:     # the store went away under us (node 0 died or the link broke)
             say(f"lost the rendezvous store at {where}: {err}")
@@ -83,7 +85,8 @@ def _join_and_run(config: LaunchConfig, store: TCPStore, where: str, signals: Si
         nodes.leave()
         return 1
     say(f"node {config.node_rank}/{config.nnodes} joined run {run_id}: ranks "
-        f"{config.global_rank(0)}..{config.global_rank(config.nproc_per_node - 1)} of {config.world_size}")
+        f"{config.global_rank(0)}..{config.global_rank(config.nproc_per_node - 1)} "
+        f"of {config.world_size}")
     run = Run(config=config, run_id=run_id, run_dir=rdir, token_file=token_file, port=store.port,
               signals=signals, log_root=make_log_root(config, run_id))
     try:
@@ -107,11 +110,12 @@ def _supervise(run: Run, nodes: NodeRendezvous) -> int:
             return 0
         report = outcome.report or {}
         if outcome.state == "interrupted":
-            say(f"node {report.get('node')} ({report.get('host')}) was interrupted: {report.get('reason')}")
+            say(f"node {report.get('node')} ({report.get('host')}) was "
+                f"interrupted: {report.get('reason')}")
             return 1
         if gen < config.max_restarts:
-            say(f"{_who(report)} failed with {report.get('reason')}; restarting workers on every node "
-                f"({gen + 1}/{config.max_restarts})")
+            say(f"{_who(report)} failed with {report.get('reason')}; restarting workers on every "
+                f"node ({gen + 1}/{config.max_restarts})")
             continue
         if result.state == "failed" and report.get("node") == config.node_rank:
             first, *others = result.failures
@@ -133,7 +137,8 @@ class _RemoteFailureWatch:
         self._lock = threading.Lock()
         self._exited = False
         self._r, self._w = os.pipe2(os.O_CLOEXEC)
-        self._thread = threading.Thread(target=self._run, name=f"ringlet-run-nodes-gen{gen}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"ringlet-run-nodes-gen{gen}",
+                                        daemon=True)
 
     @property
     def fd(self) -> int:
@@ -194,8 +199,8 @@ def _generation(run: Run, nodes: NodeRendezvous, gen: int) -> tuple[GenerationRe
     if result.state == "failed":
         first = result.failures[0]
         tb = str(first.error.get("traceback", "")) if first.error else ""
-        won = nodes.report_failure(gen, {"rank": first.rank, "pid": first.pid, "reason": first.reason,
-                                         "traceback": tb[-4000:]})
+        won = nodes.report_failure(gen, {"rank": first.rank, "pid": first.pid,
+                                         "reason": first.reason, "traceback": tb[-4000:]})
         return result, Outcome("failed", won)
     failed = nodes.remote_failure(gen) or {}
     return result, Outcome("interrupted" if failed.get("interrupted") else "failed", failed)

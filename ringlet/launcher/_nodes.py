@@ -70,8 +70,8 @@ class Outcome:
 class NodeRendezvous:
     """This node's side of [Note: node rendezvous]."""
 
-    def __init__(self, store: Any, node_rank: int, nnodes: int, info: dict[str, Any], timeout: float,
-                 where: str) -> None:
+    def __init__(self, store: Any, node_rank: int, nnodes: int, info: dict[str, Any],
+                 timeout: float, where: str) -> None:
         self.store = store
         self.rank = node_rank
         self.nnodes = nnodes
@@ -88,8 +88,8 @@ class NodeRendezvous:
         got = self.store.compare_set(f"launcher/node/{self.rank}", b"", mine)
         if got != mine:
             other = json.loads(got)
-            self._fail(f"node rank {self.rank} was given twice: to pid {other['pid']} on {other['host']} "
-                       f"and to pid {self.info['pid']} on {self.info['host']}")
+            self._fail(f"node rank {self.rank} was given twice: to pid {other['pid']} on "
+                       f"{other['host']} and to pid {self.info['pid']} on {self.info['host']}")
         if self.rank == 0:
             return self._agree(run_id)
         deadline = time.monotonic() + self.timeout + 5.0   # node 0 answers at its own deadline
@@ -120,20 +120,23 @@ class NodeRendezvous:
         keys = [f"launcher/node/{r}" for r in range(self.nnodes)]
         while not self._wait(keys, deadline):
             if time.monotonic() >= deadline:
-                infos = {r: json.loads(self.store.get(k)) for r, k in enumerate(keys) if self.store.check([k])}
+                infos = {r: json.loads(self.store.get(k)) for r, k in enumerate(keys)
+                         if self.store.check([k])}
                 missing = [r for r in range(self.nnodes) if r not in infos]
                 joined = ", ".join(f"{r} ({i['host']})" for r, i in sorted(infos.items()))
                 self._fail(f"nodes {missing} never reached the master at {self.where} within "
-                           f"{self.timeout:.0f} s (joined: {joined}); check --master-addr/--master-port, "
+                           f"{self.timeout:.0f} s (joined: {joined}); check "
+                           "--master-addr/--master-port, "
                            "the token, and that every node was started")
         infos = {r: json.loads(v) for r, v in enumerate(self.store.multi_get(keys))}
         for field in _FIELDS:
             values = {r: i[field] for r, i in infos.items()}
             if len(set(map(str, values.values()))) > 1:
-                detail = ", ".join(f"node {r} ({infos[r]['host']}) has {v!r}" for r, v in sorted(values.items()))
+                detail = ", ".join(f"node {r} ({infos[r]['host']}) has {v!r}"
+                                   for r, v in sorted(values.items()))
                 self._fail(f"nodes disagree on {field}: {detail}")
-        self.store.set("launcher/go", json.dumps({"run_id": run_id, "hosts": [infos[r]["host"]
-                                                                          for r in range(self.nnodes)]}))
+        hosts = [infos[r]["host"] for r in range(self.nnodes)]
+        self.store.set("launcher/go", json.dumps({"run_id": run_id, "hosts": hosts}))
         self.store.set("launcher/decided", b"go")
         return run_id
 
@@ -162,12 +165,13 @@ class NodeRendezvous:
                 return
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.nnodes) if not self.store.check([keys[r]])]
-                raise RendezvousFailed(f"nodes {missing} did not start restart generation {gen} within "
-                                       f"{self.timeout:.0f} s")
+                raise RendezvousFailed(f"nodes {missing} did not start restart generation {gen} "
+                                       f"within {self.timeout:.0f} s")
             self.wait_event(gen, deadline)
 
     def wait_event(self, gen: int, deadline: float) -> None:
-        """Block until another node marks progress in ``gen`` (ready, done, failed) or a beat is due."""
+        """Block until another node marks progress in ``gen`` (ready, done,
+        failed) or a beat is due."""
         key = f"launcher/gen{gen}/wake/{self.rank}"
         if self._wait([key], deadline):
             while self.store.queue_len(key):
@@ -184,7 +188,8 @@ class NodeRendezvous:
         return None
 
     def report_failure(self, gen: int, report: dict[str, Any]) -> dict[str, Any]:
-        """Publish this node's failure unless another node's came first; returns the one that won."""
+        """Publish this node's failure unless another node's came first;
+        returns the one that won."""
         mine = json.dumps({**report, "node": self.rank, "host": self.info["host"]}).encode()
         won = dict(json.loads(self.store.compare_set(f"launcher/gen{gen}/failed", b"", mine)))
         self._wake_all(gen)
@@ -201,9 +206,11 @@ class NodeRendezvous:
                 return Outcome("interrupted" if failed.get("interrupted") else "failed", failed)
             if self.store.check(keys):
                 return Outcome("succeeded", None)
-            silent = self.silent_nodes([r for r in range(self.nnodes) if not self.store.check([keys[r]])])
+            silent = self.silent_nodes([r for r in range(self.nnodes)
+                                        if not self.store.check([keys[r]])])
             if silent:
-                report = {"reason": f"node(s) {silent} stopped answering (no heartbeat for {HEARTBEAT_S:.0f} s)"}
+                report = {"reason": f"node(s) {silent} stopped answering (no heartbeat for "
+                                    f"{HEARTBEAT_S:.0f} s)"}
                 return Outcome("failed", self.report_failure(gen, report))
             self.wait_event(gen, time.monotonic() + BEAT_PERIOD_S)
 
@@ -230,7 +237,8 @@ class NodeRendezvous:
             joined = [r for r in range(self.nnodes) if self.store.check([f"launcher/node/{r}"])]
             deadline = time.monotonic() + EXIT_WAIT_S
             while time.monotonic() < deadline:
-                staying = [f"launcher/exit/{r}" for r in joined if not self.store.check([f"launcher/exit/{r}"])]
+                staying = [f"launcher/exit/{r}" for r in joined
+                           if not self.store.check([f"launcher/exit/{r}"])]
                 if not staying or self.silent_nodes([int(k.rsplit("/", 1)[1]) for k in staying]):
                     return
                 self._wait(staying, deadline)

@@ -172,21 +172,24 @@ def _seconds(value: str) -> float:
 def build_parser(legacy_launch: bool = False) -> argparse.ArgumentParser:
     """The ``ringlet-run`` parser; torchrun's dash and underscore spellings are both accepted.
 
-    ``legacy_launch`` adds ``torch.distributed.launch``'s ``--use-env`` (``ringlet.launcher.launch``).
+    ``legacy_launch`` adds ``torch.distributed.launch``'s ``--use-env``
+    (``ringlet.launcher.launch``).
     """
     p = _Parser(prog=LEGACY_PROG if legacy_launch else PROG, allow_abbrev=False,
                 description="Launch local worker processes.")
     if legacy_launch:
         p.add_argument("--use-env", "--use_env", action="store_true",
-                       help="give the local rank in LOCAL_RANK only; without it the script also gets "
-                            "--local-rank=N, as torch.distributed.launch did")
-        p.add_argument("--local-rank-spelling", "--local_rank_spelling", choices=("dash", "underscore"), default="dash",
+                       help="give the local rank in LOCAL_RANK only; without it the script also "
+                            "gets --local-rank=N, as torch.distributed.launch did")
+        p.add_argument("--local-rank-spelling", "--local_rank_spelling",
+                       choices=("dash", "underscore"), default="dash",
                        help="pass --local-rank=N (torch >= 2.0, default) or --local_rank=N (older "
                             "scripts whose parser knows only that spelling)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=parse_nproc, default=1,
                    metavar="N", help="workers on this node: an integer, 'cpu' or 'auto'")
     p.add_argument("--nnodes", type=_nnodes, default=None, help="number of nodes (default 1)")
-    p.add_argument("--node-rank", "--node_rank", type=_int, default=None, help="this node's rank (default 0)")
+    p.add_argument("--node-rank", "--node_rank", type=_int, default=None,
+                   help="this node's rank (default 0)")
     p.add_argument("--master-addr", "--master_addr", default=None,
                    help="address the rendezvous store binds (default 127.0.0.1)")
     p.add_argument("--master-port", "--master_port", type=_int, default=None,
@@ -213,7 +216,8 @@ def build_parser(legacy_launch: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--grace-period", "--grace_period", type=_seconds, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping workers")
     p.add_argument("--log-dir", "--log_dir", default=None, metavar="DIR",
-                   help="write each worker's stdout/stderr to DIR/<run id>/attempt_<n>/<local rank>/")
+                   help="write each worker's stdout/stderr to "
+                        "DIR/<run id>/attempt_<n>/<local rank>/")
     p.add_argument("-r", "--redirects", default="0", metavar="SPEC",
                    help="send streams to the log files only: 1 stdout, 2 stderr, 3 both; for all "
                         "local ranks ('3') or per rank ('0:1,1:2')")
@@ -222,7 +226,8 @@ def build_parser(legacy_launch: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--local-ranks-filter", "--local_ranks_filter", default="", metavar="RANKS",
                    help="show only these local ranks on the console, e.g. 0,1 (log files get all)")
     p.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=_seconds, default=None,
-                   metavar="S", help="kill a worker that shows no progress for S seconds and count it "
+                   metavar="S",
+                   help="kill a worker that shows no progress for S seconds and count it "
                                      "as a failure (default RINGLET_HEARTBEAT_TIMEOUT, 0 = off)")
     p.add_argument("-m", "--module", action="store_true",
                    help="run the entrypoint as a module, like python -m")
@@ -247,8 +252,8 @@ def _legacy_local_rank(ns: argparse.Namespace) -> str | None:
     if not hasattr(ns, "use_env") or ns.use_env:
         return None
     if ns.no_python:
-        raise ValueError("expected --use-env with --no-python (a command cannot parse --local-rank), "
-                         "got --no-python alone")
+        raise ValueError("expected --use-env with --no-python (a command cannot parse "
+                         "--local-rank), got --no-python alone")
     return "--local_rank" if ns.local_rank_spelling == "underscore" else "--local-rank"
 
 
@@ -272,20 +277,23 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str] | None = None,
     sched: dict[str, object] = {}
     if ns.from_env:
         if ns.nnodes is not None or ns.node_rank is not None:
-            raise ValueError(f"expected no --nnodes/--node-rank with --from-env (the scheduler gives them), "
-                             f"got --nnodes {ns.nnodes} --node-rank {ns.node_rank}")
+            raise ValueError("expected no --nnodes/--node-rank with --from-env (the scheduler "
+                             f"gives them), got --nnodes {ns.nnodes} --node-rank {ns.node_rank}")
         place = detect(ns.from_env, env, ns.nproc_per_node)
         addr = addr or place.master_addr or env.get("MASTER_ADDR")
         if port is None:
             port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else place.master_port
         if not addr or port is None:
-            raise ValueError(f"expected --master-addr and --master-port (or MASTER_ADDR/MASTER_PORT) for "
-                             f"--from-env {ns.from_env} ({place.source}), got {addr!r} and {port!r}")
+            raise ValueError("expected --master-addr and --master-port (or "
+                             f"MASTER_ADDR/MASTER_PORT) for --from-env {ns.from_env} "
+                             f"({place.source}), got {addr!r} and {port!r}")
         sched = {"nnodes": place.nnodes, "node_rank": place.node_rank,
-                 "local_rank_base": place.local_rank_base, "local_world_size": place.local_world_size,
-                 "scheduler": place.source, "nproc_per_node": place.nproc_per_node}
+                 "local_rank_base": place.local_rank_base,
+                 "local_world_size": place.local_world_size, "scheduler": place.source,
+                 "nproc_per_node": place.nproc_per_node}
     cfg: dict[str, object] = {
-        "nnodes": ns.nnodes or 1, "node_rank": ns.node_rank or 0, "nproc_per_node": ns.nproc_per_node}
+        "nnodes": ns.nnodes or 1, "node_rank": ns.node_rank or 0,
+        "nproc_per_node": ns.nproc_per_node}
     cfg.update(sched)
     config = LaunchConfig(
         entrypoint=ns.training_script,

@@ -81,7 +81,8 @@ class Reaper:
 
     def __init__(self) -> None:
         me = os.getpid()
-        # Children the launcher had before this generation (in tests: a forkserver, ...): never ours.
+        # Children the launcher had before this generation (in tests: a
+        # forkserver, ...): never ours.
         self._foreign = {p for p, (pp, _s, _t) in process_table().items() if pp == me}
         self._known: dict[int, int] = {}   # descendant pid -> start time, recorded at teardown
 

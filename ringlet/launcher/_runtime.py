@@ -100,7 +100,8 @@ def shared_token(config: LaunchConfig, env: Mapping[str, str] | None = None) -> 
             with open(path, "rb") as f:
                 data = f.read().strip()
         except OSError as e:
-            raise ValueError(f"expected a readable run token file, got {path!r} ({e.strerror})") from None
+            raise ValueError(f"expected a readable run token file, got {path!r} "
+                             f"({e.strerror})") from None
         if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise ValueError(f"expected the run token file {path} to be readable by its owner only "
                              f"(chmod 600), got mode {oct(st.st_mode & 0o777)}")
@@ -113,7 +114,7 @@ def shared_token(config: LaunchConfig, env: Mapping[str, str] | None = None) -> 
     if _loopback(config.master_addr):
         return b""
     raise ValueError(
-        f"expected a run token shared by the {config.nnodes} nodes, got none: pass --rdzv-token-file "
-        "PATH (the same 0600 file on every node; e.g. `python -c 'import secrets; "
-        "print(secrets.token_hex(32))' > ~/.ringlet-token && chmod 600 ~/.ringlet-token`) or set "
-        "RINGLET_STORE_TOKEN on every node")
+        f"expected a run token shared by the {config.nnodes} nodes, got none: pass "
+        "--rdzv-token-file PATH (the same 0600 file on every node; e.g. `python -c 'import "
+        "secrets; print(secrets.token_hex(32))' > ~/.ringlet-token && chmod 600 ~/.ringlet-token`) "
+        "or set RINGLET_STORE_TOKEN on every node")

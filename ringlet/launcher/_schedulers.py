@@ -2,7 +2,8 @@
 
 Pure functions of an environment mapping, unit-tested with fake environments.  Two shapes:
 
-- *one task per node* (``srun --ntasks-per-node=1 ringlet-run --from-env slurm --nproc-per-node K``):
+- *one task per node* (``srun --ntasks-per-node=1 ringlet-run --from-env
+slurm --nproc-per-node K``):
   each task is a node of the launch; ``SLURM_NODEID`` is its node rank.
 - *one task per rank* (``srun -n 8 ringlet-run --from-env slurm ...``, or ``mpirun -n 8 ...``):
   each task is a "node" of one worker; its node rank is the task's rank, and the worker's
@@ -99,21 +100,25 @@ def _int(env: Mapping[str, str], name: str) -> int:
 def _slurm(env: Mapping[str, str], nproc: int) -> Placement:
     ntasks, procid = _int(env, "SLURM_NTASKS"), _int(env, "SLURM_PROCID")
     nnodes = int(env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES") or 1)
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    nodelist = (env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+                or env.get("SLURM_NODELIST"))
     master = expand_nodelist(nodelist)[0] if nodelist else None
     job = env.get("SLURM_JOB_ID")
     port = 20000 + int(job) % 20000 if job and job.isdigit() else None
     if ntasks == nnodes:
-        return Placement(source="slurm, one task per node", nnodes=nnodes, node_rank=_int(env, "SLURM_NODEID"),
-                         nproc_per_node=nproc, master_addr=master, master_port=port)
+        return Placement(source="slurm, one task per node", nnodes=nnodes,
+                         node_rank=_int(env, "SLURM_NODEID"), nproc_per_node=nproc,
+                         master_addr=master, master_port=port)
     if nproc != 1:
-        raise ValueError(f"--from-env slurm: {ntasks} tasks on {nnodes} nodes is one task per rank, so "
-                         f"expected --nproc-per-node 1, got {nproc}")
+        raise ValueError(f"--from-env slurm: {ntasks} tasks on {nnodes} nodes is one task per "
+                         f"rank, so expected --nproc-per-node 1, got {nproc}")
     node = int(env.get("SLURM_NODEID", "0"))
     per_node = env.get("SLURM_TASKS_PER_NODE")
-    local_size = _tasks_per_node(per_node)[node] if per_node else int(env.get("SLURM_NTASKS_PER_NODE", "1"))
-    return Placement(source="slurm, one task per rank", nnodes=ntasks, node_rank=procid, nproc_per_node=1,
-                     local_rank_base=_int(env, "SLURM_LOCALID"), local_world_size=local_size,
+    local_size = (_tasks_per_node(per_node)[node] if per_node
+                  else int(env.get("SLURM_NTASKS_PER_NODE", "1")))
+    return Placement(source="slurm, one task per rank", nnodes=ntasks, node_rank=procid,
+                     nproc_per_node=1, local_rank_base=_int(env, "SLURM_LOCALID"),
+                     local_world_size=local_size,
                      master_addr=master, master_port=port)
 
 
@@ -124,11 +129,12 @@ def _mpi(env: Mapping[str, str], nproc: int) -> Placement:
     else:   # MPICH / Intel MPI (Hydra)
         names = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
     if nproc != 1:
-        raise ValueError(f"--from-env mpi: mpirun starts one task per rank, so expected --nproc-per-node 1, "
-                         f"got {nproc}")
+        raise ValueError("--from-env mpi: mpirun starts one task per rank, so expected "
+                         f"--nproc-per-node 1, got {nproc}")
     rank, size = _int(env, names[0]), _int(env, names[1])
     return Placement(source="mpi, one task per rank", nnodes=size, node_rank=rank, nproc_per_node=1,
-                     local_rank_base=int(env.get(names[2], "0")), local_world_size=int(env.get(names[3], "1")))
+                     local_rank_base=int(env.get(names[2], "0")),
+                     local_world_size=int(env.get(names[3], "1")))
 
 
 def detect(kind: str, env: Mapping[str, str], nproc_per_node: int) -> Placement:
@@ -151,6 +157,6 @@ def detect(kind: str, env: Mapping[str, str], nproc_per_node: int) -> Placement:
         elif "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env:
             kind = "mpi"
         else:
-            raise ValueError("expected a Slurm (SLURM_PROCID) or MPI (OMPI_COMM_WORLD_RANK, PMI_RANK) "
-                             "environment for --from-env auto, got neither")
+            raise ValueError("expected a Slurm (SLURM_PROCID) or MPI (OMPI_COMM_WORLD_RANK, "
+                             "PMI_RANK) environment for --from-env auto, got neither")
     return _slurm(env, nproc_per_node) if kind == "slurm" else _mpi(env, nproc_per_node)

@@ -33,8 +33,8 @@ from ringlet.launcher._forward import Sink, start_forwarder
 from ringlet.launcher._reaper import Reaper
 from ringlet.launcher._watch import Heartbeats, kill_hung, wait_workers
 
-__all__ = ["Generation", "GenerationResult", "Worker", "WorkerFailure", "WorkerSpec", "WorkerStartError",
-           "describe_exit"]
+__all__ = ["Generation", "GenerationResult", "Worker", "WorkerFailure", "WorkerSpec",
+           "WorkerStartError", "describe_exit"]
 
 _READER_JOIN_S = 2.0  # pipes held open by a worker's stray children must not block exit
 
@@ -154,7 +154,8 @@ class Generation:
         if heartbeat_timeout > 0:
             paths = [sp.heartbeat_file for sp in self._specs]
             if any(p is None for p in paths):
-                raise AssertionError("expected a heartbeat file per worker with a heartbeat timeout")
+                raise AssertionError("expected a heartbeat file per worker with a heartbeat "
+                                     "timeout")
             self._heartbeats = Heartbeats([p for p in paths if p is not None], heartbeat_timeout)
 
     def start(self) -> None:
@@ -174,7 +175,8 @@ class Generation:
             for stream, sink in ((popen.stdout, spec.stdout), (popen.stderr, spec.stderr)):
                 if stream is None:
                     raise AssertionError("expected a pipe for the worker's output, got None")
-                worker.readers.append(start_forwarder(stream, sink, f"ringlet-run-rank{spec.rank}-output"))
+                worker.readers.append(start_forwarder(stream, sink,
+                                                      f"ringlet-run-rank{spec.rank}-output"))
 
     def _spawn(self, spec: WorkerSpec) -> subprocess.Popen[bytes]:
         try:

@@ -1,4 +1,5 @@
-"""Waiting for a generation's workers: blocked on pidfds and the signal wake-up pipe, not on a timer.
+"""Waiting for a generation's workers: blocked on pidfds and the signal
+wake-up pipe, not on a timer.
 
 ``wait_workers`` sleeps in ``select`` until a worker exits (its pidfd becomes readable), a
 signal reaches the launcher (``signal.set_wakeup_fd``), or a periodic check is due: another
@@ -141,7 +142,8 @@ def wait_workers(popens: Sequence[subprocess.Popen[bytes]], interval: float,
             if all(rc == 0 for rc in codes):
                 return Outcome("succeeded")
             if heartbeats is not None:
-                hung = {i: s for i, s in heartbeats.silent(time.monotonic()).items() if codes[i] is None}
+                hung = {i: s for i, s in heartbeats.silent(time.monotonic()).items()
+                        if codes[i] is None}
                 if hung:
                     for i in hung:
                         on_hung(i)
@@ -153,7 +155,8 @@ def wait_workers(popens: Sequence[subprocess.Popen[bytes]], interval: float,
             _sleep(sel, _timeout(blocking, interval, periodic, heartbeats))
 
 
-def _timeout(blocking: bool, interval: float, elsewhere: object, heartbeats: Heartbeats | None) -> float | None:
+def _timeout(blocking: bool, interval: float, elsewhere: object,
+             heartbeats: Heartbeats | None) -> float | None:
     periods = [interval] if (not blocking or elsewhere is not None) else []
     if heartbeats is not None:
         periods.append(heartbeats.period)

@@ -54,7 +54,8 @@ def get_error_handler() -> ErrorHandler:
     return ErrorHandler()
 
 
-def record(fn: Callable[..., _R], error_handler: ErrorHandler | None = None) -> Callable[..., _R | None]:
+def record(fn: Callable[..., _R],
+           error_handler: ErrorHandler | None = None) -> Callable[..., _R | None]:
     """Decorate a worker's entry point so that an exception it raises reaches the launcher's
     failure summary (see the module docstring).
 

@@ -1,4 +1,5 @@
-"""``python -m ringlet.distributed.launch``: ``torch.distributed.launch``'s interface on ringlet-run.
+"""``python -m ringlet.distributed.launch``: ``torch.distributed.launch``'s
+interface on ringlet-run.
 
 Usage::
 

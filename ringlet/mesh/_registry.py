@@ -35,8 +35,8 @@ def restore_mesh(device_type: str, ranks: list[Any], names: tuple[str, ...] | No
     """
     w = _world.current_world(required=False)
     if w is None:
-        raise ValueError("torch.load of a DTensor: expected an initialized process group (the DTensor's "
-                         "DeviceMesh is reattached to the current world), got none; call "
+        raise ValueError("torch.load of a DTensor: expected an initialized process group (the "
+                         "DTensor's DeviceMesh is reattached to the current world), got none; call "
                          "init_process_group and build the mesh first")
     target = torch.tensor(ranks, dtype=torch.int64)
     for ref in list(w.meshes):
@@ -50,12 +50,13 @@ def restore_mesh(device_type: str, ranks: list[Any], names: tuple[str, ...] | No
         from ringlet.mesh.device_mesh import DeviceMesh
 
         return DeviceMesh.from_group(w.default_pg, device_type, mesh_dim_names=names)
-    raise ValueError(f"torch.load of a DTensor: expected DeviceMesh({device_type}, {ranks}, names={names}) to "
-                     "exist in this world, got none; build it (init_device_mesh / DeviceMesh) on every rank "
-                     "before loading")
+    raise ValueError(f"torch.load of a DTensor: expected DeviceMesh({device_type}, {ranks}, "
+                     f"names={names}) to exist in this world, got none; build it (init_device_mesh "
+                     "/ DeviceMesh) on every rank before loading")
 
 
-def _match(root: DeviceMesh, target: torch.Tensor, names: tuple[str, ...] | None) -> DeviceMesh | None:
+def _match(root: DeviceMesh, target: torch.Tensor,
+           names: tuple[str, ...] | None) -> DeviceMesh | None:
     candidates = [root]
     if names is not None and names != root._names and root._coord is not None:
         try:

@@ -52,16 +52,17 @@ class DeviceMesh:
         mesh.get_coordinate()           # e.g. [1, 0] on rank 2
     """
 
-    def __init__(self, device_type: str, mesh: Any, *, mesh_dim_names: tuple[str, ...] | None = None,
-                 _init_backend: bool = True) -> None:
+    def __init__(self, device_type: str, mesh: Any, *,
+                 mesh_dim_names: tuple[str, ...] | None = None, _init_backend: bool = True) -> None:
         _check_device_type(device_type)
         w = _world.current_world()
         if w is None:  # pragma: no cover - current_world raised
             raise AssertionError("no world")
         ranks = _as_rank_tensor(mesh, w.world_size)
         names = _check_names(mesh_dim_names, ranks.dim())
-        self._setup(device_type, ranks, names, root=None, axes=tuple((a,) for a in range(ranks.dim())),
-                    groups=(), coord=_coordinate_of(ranks, w.rank), world_rank=w.rank)
+        self._setup(device_type, ranks, names, root=None,
+                    axes=tuple((a,) for a in range(ranks.dim())), groups=(),
+                    coord=_coordinate_of(ranks, w.rank), world_rank=w.rank)
         self._root_groups: list[ProcessGroup | None] = [None] * ranks.dim()
         if _init_backend:
             self._root_groups = [_axis_groups(ranks, (a,), w, names[a] if names else str(a))
@@ -72,8 +73,9 @@ class DeviceMesh:
         register(w, self)
 
     def _setup(self, device_type: str, ranks: torch.Tensor, names: tuple[str, ...] | None,
-               root: DeviceMesh | None, axes: tuple[Axes, ...], groups: tuple[ProcessGroup | None, ...],
-               coord: tuple[int, ...] | None, world_rank: int) -> None:
+               root: DeviceMesh | None, axes: tuple[Axes, ...],
+               groups: tuple[ProcessGroup | None, ...], coord: tuple[int, ...] | None,
+               world_rank: int) -> None:
         self._device_type = device_type
         self._mesh = ranks
         self._names = names
@@ -90,15 +92,16 @@ class DeviceMesh:
     @classmethod
     def from_group(cls, group: Any, device_type: str, mesh: Any = None, *,
                    mesh_dim_names: tuple[str, ...] | None = None) -> DeviceMesh:
-        """A 1-d mesh over an existing group (no new group is created, so members only may call it)."""
+        """A 1-d mesh over an existing group (no new group is created, so
+        members only may call it)."""
         _check_device_type(device_type)
         pg = _world.resolve_group(group)
         if pg is None:
             raise ValueError("DeviceMesh.from_group: this rank is not a member of the group")
         ranks = _as_rank_tensor(pg.ranks if mesh is None else mesh, max(pg.ranks) + 1)
         if ranks.dim() != 1 or sorted(ranks.tolist()) != pg.ranks:
-            raise ValueError(f"DeviceMesh.from_group: mesh: expected a 1-d permutation of the group's ranks "
-                             f"{pg.ranks}, got {ranks.tolist()}")
+            raise ValueError("DeviceMesh.from_group: mesh: expected a 1-d permutation of the "
+                             f"group's ranks {pg.ranks}, got {ranks.tolist()}")
         names = _check_names(mesh_dim_names, 1)
         me = pg.ranks[pg.rank()]
         self = cls.__new__(cls)
@@ -174,25 +177,28 @@ class DeviceMesh:
         return self._groups[0]
 
     def _group_rank_of(self, axis: int, coord: int) -> int:
-        """Group rank (sorted global ranks) of the rank at ``coord`` along ``axis``'s line through me."""
+        """Group rank (sorted global ranks) of the rank at ``coord`` along
+        ``axis``'s line through me."""
         pg = self._groups[axis]
         if pg is None or self._coord is None:
             raise ValueError(f"rank {self._world_rank} is not part of {self!r}")
-        line = self._mesh.movedim(axis, -1)[tuple(c for a, c in enumerate(self._coord) if a != axis)]
+        others = tuple(c for a, c in enumerate(self._coord) if a != axis)
+        line = self._mesh.movedim(axis, -1)[others]
         return pg.ranks.index(int(line[coord]))
 
     def _axis(self, mesh_dim: int | str | None, op: str = "size") -> int:
         if mesh_dim is None:
             if self.ndim != 1:
-                raise ValueError(f"{op}: mesh_dim: expected an axis (index or name) for a {self.ndim}-d "
-                                 f"mesh, got None")
+                raise ValueError(f"{op}: mesh_dim: expected an axis (index or name) for a "
+                                 f"{self.ndim}-d mesh, got None")
             return 0
         if isinstance(mesh_dim, str):
             if not self._names or mesh_dim not in self._names:
                 raise KeyError(f"{op}: mesh_dim: expected one of {self._names}, got {mesh_dim!r}")
             return self._names.index(mesh_dim)
         if not -self.ndim <= mesh_dim < self.ndim:
-            raise IndexError(f"{op}: mesh_dim: expected an axis in [0, {self.ndim}), got {mesh_dim}")
+            raise IndexError(f"{op}: mesh_dim: expected an axis in [0, {self.ndim}), got "
+                             f"{mesh_dim}")
         return mesh_dim % self.ndim
 
     # -- slicing and flattening ------------------------------------------------------------
@@ -304,27 +310,30 @@ def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...] | list[int], 
         raise AssertionError("no world")
     shape = tuple(int(s) for s in mesh_shape)
     if not shape or any(s <= 0 for s in shape) or math.prod(shape) != w.world_size:
-        raise ValueError(f"init_device_mesh: mesh_shape: expected positive sizes whose product is the world "
-                         f"size {w.world_size}, got {tuple(mesh_shape)}")
-    return DeviceMesh(device_type, torch.arange(w.world_size).reshape(shape), mesh_dim_names=mesh_dim_names)
+        raise ValueError("init_device_mesh: mesh_shape: expected positive sizes whose product is "
+                         f"the world size {w.world_size}, got {tuple(mesh_shape)}")
+    return DeviceMesh(device_type, torch.arange(w.world_size).reshape(shape),
+                      mesh_dim_names=mesh_dim_names)
 
 
 def _check_device_type(device_type: str) -> None:
     if device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available()):
         return
-    raise ValueError(f"DeviceMesh: device_type: expected 'cpu'{' or cuda' if torch.cuda.is_available() else ''}, "
-                     f"got {device_type!r}")
+    raise ValueError("DeviceMesh: device_type: expected "
+                     f"'cpu'{' or cuda' if torch.cuda.is_available() else ''}, got {device_type!r}")
 
 
 def _as_rank_tensor(mesh: Any, world_size: int) -> torch.Tensor:
     ranks = mesh.detach().cpu() if isinstance(mesh, torch.Tensor) else torch.tensor(mesh)
-    if ranks.is_floating_point() or ranks.dtype == torch.bool or ranks.dim() == 0 or ranks.numel() == 0:
-        raise ValueError(f"DeviceMesh: mesh: expected a non-empty nested list or tensor of integer ranks, "
-                         f"got {mesh!r}")
+    if (ranks.is_floating_point() or ranks.dtype == torch.bool or ranks.dim() == 0
+            or ranks.numel() == 0):
+        raise ValueError("DeviceMesh: mesh: expected a non-empty nested list or tensor of "
+                         f"integer ranks, got {mesh!r}")
     ranks = ranks.to(torch.int64).contiguous()
     flat = ranks.flatten().tolist()
     if len(set(flat)) != len(flat) or min(flat) < 0 or max(flat) >= world_size:
-        raise ValueError(f"DeviceMesh: mesh: expected distinct ranks in [0, {world_size}), got {ranks.tolist()}")
+        raise ValueError("DeviceMesh: mesh: expected distinct ranks in [0, "
+                         f"{world_size}), got {ranks.tolist()}")
     return ranks
 
 
@@ -333,7 +342,8 @@ def _check_names(names: Any, ndim: int) -> tuple[str, ...] | None:
         return None
     names = tuple(names)
     if len(names) != ndim or len(set(names)) != ndim or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"DeviceMesh: mesh_dim_names: expected {ndim} distinct names, got {names!r}")
+        raise ValueError(f"DeviceMesh: mesh_dim_names: expected {ndim} "
+                         f"distinct names, got {names!r}")
     return names
 
 
