@@ -283,3 +283,15 @@ def test_new_subgroups_splits_a_given_group_and_refuses_bad_ranks() -> None:
         assert got["subs"] == 2 and got["size"] == 1 and got["ranks"] == [rank]
         assert got["sum"] == (2.0 if rank % 2 == 0 else 4.0)
         assert got["refused"] == [True, True, True]
+
+
+def test_sparse_all_reduce_refuses_indices_outside_the_shape() -> None:
+    def body(rank: int, n: int) -> str:
+        bad = torch.sparse_coo_tensor(torch.tensor([[0, 10**6]]), torch.ones(2), (3,), check_invariants=False)
+        try:
+            dist.all_reduce(bad)
+        except ValueError as e:
+            return str(e)
+        return "accepted"
+    for msg in run_threads(body, 2):
+        assert "expected a valid sparse COO tensor" in msg, msg

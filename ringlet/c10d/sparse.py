@@ -36,6 +36,11 @@ def all_reduce(pg: Any, tensor: torch.Tensor, op: Any, async_op: bool) -> Work |
     if tensor.device.type not in pg.transport.devices:
         raise ValueError(f"all_reduce: tensor: expected a tensor on {list(pg.transport.devices)}, got one "
                          f"on {tensor.device}")
+    try:   # a tensor built with invariant checks off may hold indices outside its shape
+        torch._validate_sparse_coo_tensor_args(tensor._indices(), tensor._values(), tensor.shape)
+    except RuntimeError as e:
+        raise ValueError(f"all_reduce: tensor: expected a valid sparse COO tensor, got one whose "
+                         f"indices do not fit its shape {list(tensor.shape)}: {e}") from None
     local = tensor.coalesce()
     _check_same_layout(pg, local)
     indices = _gather_uneven(pg, local.indices().reshape(-1))
