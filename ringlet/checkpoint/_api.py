@@ -22,10 +22,12 @@ __all__ = ["DefaultLoadPlanner", "DefaultSavePlanner", "async_save", "load", "sa
 
 class DefaultSavePlanner:
     """torch's default save planner; ringlet's planning is fixed, so this only carries options
-    (accepted for compatibility: ``flatten_state_dict``, ``flatten_sharded_tensors``, ``dedup_*``)."""
+    (accepted for compatibility: ``flatten_state_dict``,
+    ``flatten_sharded_tensors``, ``dedup_*``)."""
 
     def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
-                 dedup_replicated_tensors: bool | None = None, dedup_save_to_lowest_rank: bool = False,
+                 dedup_replicated_tensors: bool | None = None,
+                 dedup_save_to_lowest_rank: bool = False,
                  enable_plan_caching: bool = False) -> None:
         self.flatten_state_dict = flatten_state_dict
 
@@ -45,13 +47,14 @@ def _coordinator(process_group: Any, no_dist: bool, op: str) -> Coordinator:
 
 def _check_planner(planner: Any, kind: type, op: str) -> None:
     if planner is not None and not isinstance(planner, kind):
-        raise TypeError(f"{op}: planner: expected None or a {kind.__name__}, got {type(planner).__name__} "
-                        "(custom planners are not supported)")
+        raise TypeError(f"{op}: planner: expected None or a {kind.__name__}, got "
+                        f"{type(planner).__name__} (custom planners are not supported)")
 
 
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
          storage_writer: FileSystemWriter | None = None, planner: DefaultSavePlanner | None = None,
-         process_group: Any = None, no_dist: bool = False, use_collectives: bool = True) -> Metadata:
+         process_group: Any = None, no_dist: bool = False,
+         use_collectives: bool = True) -> Metadata:
     """Save ``state_dict`` (a collective: every rank of ``process_group`` calls it; an
     ``async_save`` of this rank still in flight is waited for first).
 
@@ -156,9 +159,11 @@ def _background_coordinator(coord: Coordinator, save_id: str) -> Coordinator:
 
 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
-               storage_writer: FileSystemWriter | None = None, planner: DefaultSavePlanner | None = None,
-               process_group: Any = None, async_checkpointer_type: Any = None, async_stager: Any = None,
-               no_dist: bool = False, use_collectives: bool = True) -> concurrent.futures.Future[Metadata]:
+               storage_writer: FileSystemWriter | None = None,
+               planner: DefaultSavePlanner | None = None, process_group: Any = None,
+               async_checkpointer_type: Any = None,
+               async_stager: Any = None, no_dist: bool = False,
+               use_collectives: bool = True) -> concurrent.futures.Future[Metadata]:
     """Like :func:`save`, but the writing and the commit happen in a background thread.
 
     The call itself plans the save with its peers and copies the pieces this rank will

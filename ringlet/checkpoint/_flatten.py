@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Leaf", "Path", "decode_value", "encode_value", "flatten", "join_path", "lists_back", "replace_leaves",
-           "tree_from_paths"]
+__all__ = ["Leaf", "Path", "decode_value", "encode_value", "flatten", "join_path", "lists_back",
+           "replace_leaves", "tree_from_paths"]
 
 Path = tuple[str | int, ...]
 
@@ -58,8 +58,8 @@ def flatten(state_dict: dict[str, Any]) -> dict[str, Leaf]:
     for path, value in _walk(state_dict, ()):
         key = join_path(path)
         if key in out:
-            raise ValueError(f"state_dict: the paths {list(out[key].path)} and {list(path)} both flatten to "
-                             f"the key {key!r}; rename one of them")
+            raise ValueError(f"state_dict: the paths {list(out[key].path)} and {list(path)} both "
+                             f"flatten to the key {key!r}; rename one of them")
         if not isinstance(value, torch.Tensor):
             encode_value(value, key)   # refuse unsupported values before any I/O
         out[key] = Leaf(key, path, value)
@@ -70,8 +70,8 @@ def _walk(node: Any, path: Path) -> Iterator[tuple[Path, Any]]:
     if isinstance(node, dict) and node:
         for k, v in node.items():
             if isinstance(k, bool) or not isinstance(k, str | int):
-                raise TypeError(f"state_dict: key {k!r} under {join_path(path) or '<root>'!r}: expected a str "
-                                f"or int key, got {type(k).__name__}")
+                raise TypeError(f"state_dict: key {k!r} under {join_path(path) or '<root>'!r}: "
+                                f"expected a str or int key, got {type(k).__name__}")
             yield from _walk(v, (*path, k))
     elif isinstance(node, list | tuple) and node and not isinstance(node, torch.Size):
         for i, v in enumerate(node):
@@ -102,9 +102,10 @@ def encode_value(value: Any, key: str = "?") -> Any:
     for name, kind in _EMPTY.items():
         if type(value) is kind and not value:
             return {"$empty": name}
-    raise TypeError(f"state_dict[{key!r}]: expected a tensor or a plain value (None, bool, int, float, str, "
-                    f"bytes, or dicts/lists/tuples of them), got {type(value).__name__}; checkpoints never "
-                    "pickle, so convert it (or make its owner Stateful)")
+    raise TypeError(f"state_dict[{key!r}]: expected a tensor or a plain value (None, "
+                    "bool, int, float, str, bytes, or dicts/lists/tuples of them), got "
+                    f"{type(value).__name__}; checkpoints never pickle, so convert it "
+                    "(or make its owner Stateful)")
 
 
 def decode_value(data: Any, key: str = "?") -> Any:
@@ -121,7 +122,8 @@ def decode_value(data: Any, key: str = "?") -> Any:
             return torch.Size(raw)
         if tag == "$empty" and raw in _EMPTY:
             return _EMPTY[raw]()
-    raise ValueError(f"checkpoint value {key!r}: expected a plain JSON value or a known tag, got {data!r:.200}")
+    raise ValueError(f"checkpoint value {key!r}: expected a plain JSON value or a "
+                     f"known tag, got {data!r:.200}")
 
 
 def replace_leaves(root: dict[str, Any], updates: dict[Path, Any]) -> None:
@@ -170,6 +172,7 @@ def lists_back(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     items = {k: lists_back(v) for k, v in node.items()}
-    if items and all(isinstance(k, int) for k in items) and sorted(items) == list(range(len(items))):
+    if (items and all(isinstance(k, int) for k in items)
+            and sorted(items) == list(range(len(items)))):
         return [items[i] for i in range(len(items))]
     return items

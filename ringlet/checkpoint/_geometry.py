@@ -45,13 +45,15 @@ class Box:
 
     def relative_to(self, outer: Box) -> Box:
         """This box's offsets measured from ``outer``'s corner."""
-        return Box(tuple(a - b for a, b in zip(self.offsets, outer.offsets, strict=True)), self.sizes)
+        return Box(tuple(a - b for a, b in zip(self.offsets, outer.offsets, strict=True)),
+                   self.sizes)
 
     def overlaps(self, other: Box) -> bool:
         return self.intersect(other) is not None
 
     def __str__(self) -> str:
-        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes, strict=True)) + "]"
+        return "[" + ", ".join(f"{o}:{o + s}"
+                               for o, s in zip(self.offsets, self.sizes, strict=True)) + "]"
 
 
 def _strides(sizes: Sequence[int]) -> list[int]:

@@ -62,7 +62,8 @@ def shared_metadata(directory: str, coord: Coordinator, op: str) -> Metadata:
     return Metadata.from_json_bytes(raw, os.path.join(directory, METADATA_FILE))
 
 
-def _match(meta: Metadata, leaves: dict[str, Leaf], strict: bool) -> tuple[list[_Target], dict[Path, Any]]:
+def _match(meta: Metadata, leaves: dict[str, Leaf],
+           strict: bool) -> tuple[list[_Target], dict[Path, Any]]:
     """Targets to read, and leaves to replace; raises ``ValueError`` on any mismatch."""
     targets, updates, missing, bad = [], {}, [], []
     for key, leaf in leaves.items():
@@ -76,7 +77,8 @@ def _match(meta: Metadata, leaves: dict[str, Leaf], strict: bool) -> tuple[list[
             targets.append(_Target(key, tm, local, box, plan_reads(tm, box), finish))
         elif not leaf.is_tensor and key in meta.values:
             updates[leaf.path] = meta.value(key)
-        elif not leaf.is_tensor and key in meta.tensors:      # a tensor where the state dict has a value
+        # a tensor where the state dict has a value
+        elif not leaf.is_tensor and key in meta.tensors:
             tm = meta.tensors[key]
             full = Box.of([0] * len(tm.shape), tm.shape)
             new = torch.empty(tm.shape, dtype=tm.torch_dtype)
@@ -94,7 +96,8 @@ def _match(meta: Metadata, leaves: dict[str, Leaf], strict: bool) -> tuple[list[
 
 
 def _subtree(meta: Metadata, leaf: Leaf, targets: list[_Target], updates: dict[Path, Any]) -> bool:
-    """An empty container in the state dict takes everything stored under its key (as nested dicts)."""
+    """An empty container in the state dict takes everything stored under its
+    key (as nested dicts)."""
     if not (isinstance(leaf.value, dict | list | tuple) and not leaf.value):
         return False
     prefix, n = leaf.key + ".", len(leaf.path)
@@ -139,8 +142,9 @@ def _verify(directory: str, files: dict[str, int], targets: list[_Target]) -> st
                     pread_into(fd, buf[:n], lo, name)
                     got = zlib.crc32(buf[:n])
                     if got != c.crc32[b]:
-                        return (f"{where}: tensor {key!r} chunk {c.box}: checksum mismatch in bytes "
-                                f"[{lo}, {lo + n}) (expected crc32 {c.crc32[b]:08x}, got {got:08x})")
+                        return (f"{where}: tensor {key!r} chunk {c.box}: checksum mismatch "
+                                f"in bytes [{lo}, {lo + n}) (expected crc32 "
+                                f"{c.crc32[b]:08x}, got {got:08x})")
             except ValueError as e:
                 return f"{directory}: {e} (holds tensor {next(iter(needed.values()))[0]!r})"
     return None
@@ -180,7 +184,8 @@ def _copy(directory: str, files: dict[str, int], targets: list[_Target]) -> None
 
 def _copy_one(fd: int, op: ReadOp, t: _Target) -> None:
     dest = t.local
-    for d, (o, n) in enumerate(zip(op.inter.relative_to(t.box).offsets, op.inter.sizes, strict=True)):
+    for d, (o, n) in enumerate(zip(op.inter.relative_to(t.box).offsets, op.inter.sizes,
+                                   strict=True)):
         dest = dest.narrow(d, o, n)
     if op.direct and dest.is_contiguous() and dest.device.type == "cpu":
         pread_into(fd, tensor_bytes(dest), op.lo, op.chunk.file)
@@ -199,7 +204,8 @@ def _copy_one(fd: int, op: ReadOp, t: _Target) -> None:
     dest.copy_(src)
 
 
-def load_into(state_dict: dict[str, Any], directory: str, coord: Coordinator, strict: bool = True) -> None:
+def load_into(state_dict: dict[str, Any], directory: str, coord: Coordinator,
+              strict: bool = True) -> None:
     """Fill ``state_dict`` in place from the checkpoint in ``directory`` (collective)."""
     meta = shared_metadata(directory, coord, "load")
     resolved, objects = resolve_stateful(state_dict)
@@ -212,12 +218,14 @@ def load_into(state_dict: dict[str, Any], directory: str, coord: Coordinator, st
         targets, updates = _match(meta, leaves, strict)
         error = _verify(directory, meta.files, targets)
     except Exception as e:  # noqa: BLE001 - agreed below, so every rank raises and none waits
-        error = f"{directory}: {type(e).__name__}: {e}" if not isinstance(e, ValueError) else f"{directory}: {e}"
+        error = (f"{directory}: {type(e).__name__}: {e}" if not isinstance(e, ValueError)
+                 else f"{directory}: {e}")
     coord.agree("load", error)
     unexpected = sorted((set(meta.tensors) | set(meta.values)) - set(leaves))
     if unexpected and coord.rank == 0:
-        warnings.warn(f"load: the checkpoint in {directory} holds keys the state dict does not ask for: "
-                      f"{unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}", stacklevel=3)
+        warnings.warn(f"load: the checkpoint in {directory} holds keys the state dict does not ask "
+                      f"for: {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}",
+                      stacklevel=3)
     error = None
     try:
         _copy(directory, meta.files, targets)

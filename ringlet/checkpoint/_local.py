@@ -27,21 +27,24 @@ def _box(t: DTensor) -> Box:
     coord = t.device_mesh.get_coordinate()
     if coord is None:
         raise ValueError(f"a DTensor on {t.device_mesh!r} reached a rank outside its mesh")
-    sizes, offsets = local_shape_and_offset(tuple(t.shape), t.device_mesh.shape, coord, t.placements)
+    sizes, offsets = local_shape_and_offset(tuple(t.shape), t.device_mesh.shape, coord,
+                                            t.placements)
     return Box.of(offsets, sizes)
 
 
 def save_piece(t: torch.Tensor) -> tuple[torch.Tensor, Box]:
-    """This rank's piece of ``t`` (detached, sharing memory unless a reduction was needed) and its box."""
+    """This rank's piece of ``t`` (detached, sharing memory unless a reduction
+    was needed) and its box."""
     with torch.no_grad():
         if isinstance(t, DTensor):
             if any(p.is_partial() for p in t.placements):
-                t = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+                t = t.redistribute(t.device_mesh,
+                                   [Replicate() if p.is_partial() else p for p in t.placements])
             local = t.to_local().detach()
             box = _box(t)
             if tuple(local.shape) != box.sizes:
-                raise AssertionError(f"DTensor local shape {list(local.shape)} differs from its placements' "
-                                     f"box {box}")
+                raise AssertionError(f"DTensor local shape {list(local.shape)} differs from "
+                                     f"its placements' box {box}")
             return local, box
         return t.detach(), Box.of([0] * t.dim(), t.shape)
 

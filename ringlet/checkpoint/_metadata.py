@@ -40,13 +40,16 @@ MAX_METADATA_BYTES = 1 << 30
 
 # torch dtype <-> the name in metadata <-> the safetensors name (None: safetensors has none).
 DTYPES: dict[str, tuple[torch.dtype, str | None]] = {
-    "float64": (torch.float64, "F64"), "float32": (torch.float32, "F32"), "float16": (torch.float16, "F16"),
-    "bfloat16": (torch.bfloat16, "BF16"), "int64": (torch.int64, "I64"), "int32": (torch.int32, "I32"),
-    "int16": (torch.int16, "I16"), "int8": (torch.int8, "I8"), "uint8": (torch.uint8, "U8"),
+    "float64": (torch.float64, "F64"), "float32": (torch.float32, "F32"),
+    "float16": (torch.float16, "F16"), "bfloat16": (torch.bfloat16, "BF16"),
+    "int64": (torch.int64, "I64"),
+    "int32": (torch.int32, "I32"), "int16": (torch.int16, "I16"), "int8": (torch.int8, "I8"),
+    "uint8": (torch.uint8, "U8"),
     "bool": (torch.bool, "BOOL"), "complex64": (torch.complex64, "C64"),
     "complex128": (torch.complex128, None), "uint16": (torch.uint16, "U16"),
     "uint32": (torch.uint32, "U32"), "uint64": (torch.uint64, "U64"),
-    "float8_e4m3fn": (torch.float8_e4m3fn, "F8_E4M3"), "float8_e5m2": (torch.float8_e5m2, "F8_E5M2"),
+    "float8_e4m3fn": (torch.float8_e4m3fn, "F8_E4M3"),
+    "float8_e5m2": (torch.float8_e5m2, "F8_E5M2"),
 }
 _NAMES = {dt: name for name, (dt, _) in DTYPES.items()}
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
@@ -54,8 +57,8 @@ _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 def dtype_name(dtype: torch.dtype, key: str = "?") -> str:
     if dtype not in _NAMES:
-        raise TypeError(f"state_dict[{key!r}]: dtype {dtype} cannot be checkpointed (expected one of "
-                        f"{sorted(DTYPES)})")
+        raise TypeError(f"state_dict[{key!r}]: dtype {dtype} cannot be checkpointed "
+                        f"(expected one of {sorted(DTYPES)})")
     return _NAMES[dtype]
 
 
@@ -66,8 +69,9 @@ def n_blocks(nbytes: int) -> int:
 def check_file_name(name: Any) -> str:
     """A data file name from metadata: a plain name inside the checkpoint directory."""
     if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or name in (METADATA_FILE,):
-        raise ValueError(f"file name {name!r:.80}: expected a plain file name inside the checkpoint directory "
-                         "(letters, digits, '.', '_', '-'; no '/', no leading '.')")
+        raise ValueError(f"file name {name!r:.80}: expected a plain file name "
+                         "inside the checkpoint directory (letters, digits, '.', "
+                         "'_', '-'; no '/', no leading '.')")
     return name
 
 
@@ -122,7 +126,8 @@ class Metadata:
     values: dict[str, tuple[Path, Any]]   # key -> (path, JSON-encoded value)
 
     def to_json_bytes(self) -> bytes:
-        doc = {"format": FORMAT, "version": VERSION, "save_id": self.save_id, "world_size": self.world_size,
+        doc = {"format": FORMAT, "version": VERSION, "save_id": self.save_id,
+               "world_size": self.world_size,
                "checksum": {"algorithm": "crc32", "block_bytes": BLOCK_BYTES},
                "files": {n: {"bytes": b} for n, b in self.files.items()},
                "tensors": {k: t.to_json() for k, t in self.tensors.items()},
@@ -139,7 +144,8 @@ class Metadata:
             doc = json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
             return _parse(doc)
         except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError) as e:
-            raise ValueError(f"{where}: not a valid ringlet checkpoint metadata file: {e}") from None
+            raise ValueError(f"{where}: not a valid ringlet checkpoint metadata file: "
+                             f"{e}") from None
 
 
 def _no_constants(name: str) -> Any:
@@ -159,8 +165,8 @@ def _ints(v: Any, what: str) -> tuple[int, ...]:
 
 
 def _path(v: Any, key: str) -> Path:
-    if not isinstance(v, list) or not v or not all(isinstance(p, str | int) and not isinstance(p, bool)
-                                                   for p in v):
+    if not isinstance(v, list) or not v or not all(
+            isinstance(p, str | int) and not isinstance(p, bool) for p in v):
         raise ValueError(f"{key!r}: path: expected a non-empty list of str/int, got {v!r:.80}")
     if join_path(tuple(v)) != key:
         raise ValueError(f"{key!r}: path {v!r:.80} does not spell the key")
@@ -171,14 +177,16 @@ def _parse(doc: Any) -> Metadata:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"format: expected {FORMAT!r}")
     if doc.get("version") != VERSION:
-        raise ValueError(f"version: expected {VERSION}, got {doc.get('version')!r:.40} (a newer ringlet?)")
+        raise ValueError(f"version: expected {VERSION}, got "
+                         f"{doc.get('version')!r:.40} (a newer ringlet?)")
     ck = doc.get("checksum")
     if ck != {"algorithm": "crc32", "block_bytes": BLOCK_BYTES}:
         raise ValueError(f"checksum: expected crc32 over {BLOCK_BYTES}-byte blocks, got {ck!r:.80}")
     save_id = doc["save_id"]
     if not isinstance(save_id, str) or not re.fullmatch(r"[0-9a-f]{1,64}", save_id):
         raise ValueError(f"save_id: expected hex digits, got {save_id!r:.80}")
-    files = {check_file_name(n): _int(f["bytes"], f"files[{n}].bytes") for n, f in _dict(doc, "files").items()}
+    files = {check_file_name(n): _int(f["bytes"], f"files[{n}].bytes")
+             for n, f in _dict(doc, "files").items()}
     tensors = {k: _tensor(k, t, files) for k, t in _dict(doc, "tensors").items()}
     values = {}
     for k, v in _dict(doc, "values").items():
@@ -216,20 +224,21 @@ def _chunk(meta: TensorMeta, i: int, c: Any, files: dict[str, int]) -> ChunkMeta
     if not isinstance(c, dict):
         raise TypeError(f"{what}: expected an object")
     box = Box.of(_ints(c["offsets"], f"{what}.offsets"), _ints(c["sizes"], f"{what}.sizes"))
-    if len(box.sizes) != len(meta.shape) or any(o + s > n for o, s, n in zip(box.offsets, box.sizes,
-                                                                             meta.shape, strict=True)):
+    ends = zip(box.offsets, box.sizes, meta.shape, strict=True)   # iterated only when lengths match
+    if len(box.sizes) != len(meta.shape) or any(o + s > n for o, s, n in ends):
         raise ValueError(f"{what}: box {box} does not fit the shape {list(meta.shape)}")
     name = check_file_name(c["file"])
     if name not in files:
         raise ValueError(f"{what}.file: {name!r} is not listed under files")
     begin, end = _int(c["begin"], f"{what}.begin"), _int(c["end"], f"{what}.end")
     if end - begin != box.numel * meta.itemsize or end > files[name]:
-        raise ValueError(f"{what}: byte range [{begin}, {end}) does not hold {box.numel} x {meta.itemsize} "
-                         f"bytes inside {name} ({files[name]} bytes)")
+        raise ValueError(f"{what}: byte range [{begin}, {end}) does not hold {box.numel} x "
+                         f"{meta.itemsize} bytes inside {name} ({files[name]} bytes)")
     crcs = c["crc32"]
     if not isinstance(crcs, list) or len(crcs) != n_blocks(end - begin):
         raise ValueError(f"{what}.crc32: expected {n_blocks(end - begin)} checksums")
-    return ChunkMeta(box, name, begin, end, tuple(_int(x, f"{what}.crc32", 0, 0xFFFFFFFF) for x in crcs))
+    return ChunkMeta(box, name, begin, end,
+                     tuple(_int(x, f"{what}.crc32", 0, 0xFFFFFFFF) for x in crcs))
 
 
 def _check_tiling(key: str, shape: tuple[int, ...], chunks: tuple[ChunkMeta, ...]) -> None:

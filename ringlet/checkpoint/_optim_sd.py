@@ -59,7 +59,8 @@ def _names(model: nn.Module, optim: torch.optim.Optimizer) -> list[str]:
     out = []
     for p in _ordered_params(optim):
         if id(p) not in fqns:
-            raise ValueError(f"optimizer holds a parameter of shape {list(p.shape)} that is not in the model")
+            raise ValueError("optimizer holds a parameter of shape "
+                             f"{list(p.shape)} that is not in the model")
         out.append(fqns[id(p)])
     return out
 
@@ -75,7 +76,8 @@ def get(model: nn.Module, optimizers: list[torch.optim.Optimizer], opts: Any) ->
         for idx, per_param in osd["state"].items():
             state[names[idx]] = {k: _convert(v, opts, keep) for k, v in per_param.items()}
         for g in osd["param_groups"]:
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]})
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": [names[i] for i in g["params"]]})
     return {"state": state, "param_groups": groups} if keep else {}
 
 
@@ -94,8 +96,8 @@ def _received(optim_state_dict: Any, opts: Any) -> dict[str, Any]:
     return tree_from_paths(list(broadcast_leaves(optim_state_dict if global_rank() == 0 else None)))
 
 
-def set_(model: nn.Module, optimizers: list[torch.optim.Optimizer], optim_state_dict: dict[str, Any],
-         opts: Any) -> None:
+def set_(model: nn.Module, optimizers: list[torch.optim.Optimizer],
+         optim_state_dict: dict[str, Any], opts: Any) -> None:
     osd = _received(optim_state_dict, opts)
     saved_state = osd.get("state", {})
     saved_groups = osd.get("param_groups", [])
@@ -114,7 +116,8 @@ def set_(model: nn.Module, optimizers: list[torch.optim.Optimizer], optim_state_
             saved = next((sg for sg in saved_groups if mine and mine[0] in sg["params"]), None)
             if saved is None:
                 raise ValueError(f"set_optimizer_state_dict: no saved param group holds {mine[:1]}")
-            groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": list(range(start, start + n))})
+            groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                           "params": list(range(start, start + n))})
             start += n
         optim.load_state_dict({"state": state, "param_groups": groups})
 

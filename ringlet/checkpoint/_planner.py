@@ -61,8 +61,8 @@ def plan_save(payloads: list[dict[str, Any]]) -> SavePlan:
         for key, path, dtype, shape, offsets, sizes in p["tensors"]:
             info = TensorInfo(tuple(path), dtype, tuple(shape))
             if key in tensors and tensors[key] != info:
-                raise ValueError(f"state_dict[{key!r}]: rank {first_rank[key]} has {_desc(tensors[key])}, rank "
-                                 f"{rank} has {_desc(info)}")
+                raise ValueError(f"state_dict[{key!r}]: rank {first_rank[key]} has "
+                                 f"{_desc(tensors[key])}, rank {rank} has {_desc(info)}")
             tensors.setdefault(key, info)
             first_rank.setdefault(key, rank)
             box = Box.of(offsets, sizes)
@@ -72,7 +72,8 @@ def plan_save(payloads: list[dict[str, Any]]) -> SavePlan:
             values.setdefault(key, (tuple(path), value))   # the lowest rank's value is kept
     clash = set(tensors) & set(values)
     if clash:
-        raise ValueError(f"state_dict keys {sorted(clash)[:5]} are tensors on some ranks and values on others")
+        raise ValueError(f"state_dict keys {sorted(clash)[:5]} are tensors on some "
+                         "ranks and values on others")
     _check_tiling(tensors, holders)
     return SavePlan(tensors, values, _assign_owners(tensors, holders, len(payloads)))
 
@@ -81,7 +82,8 @@ def _desc(info: TensorInfo) -> str:
     return f"{info.dtype}{list(info.shape)}"
 
 
-def _check_tiling(tensors: dict[str, TensorInfo], holders: dict[tuple[str, Box], list[int]]) -> None:
+def _check_tiling(tensors: dict[str, TensorInfo],
+                  holders: dict[tuple[str, Box], list[int]]) -> None:
     boxes: dict[str, list[Box]] = {}
     for key, box in holders:
         boxes.setdefault(key, []).append(box)
@@ -90,12 +92,14 @@ def _check_tiling(tensors: dict[str, TensorInfo], holders: dict[tuple[str, Box],
         for i, a in enumerate(mine):
             for b in mine[i + 1:]:
                 if a.overlaps(b):
-                    raise ValueError(f"state_dict[{key!r}]: ranks hold overlapping pieces {a} and {b} that are "
-                                     "not the same piece (a DTensor on two different meshes?)")
+                    raise ValueError(f"state_dict[{key!r}]: ranks hold overlapping "
+                                     f"pieces {a} and {b} that are not the same piece (a "
+                                     "DTensor on two different meshes?)")
         total = sum(b.numel for b in mine)
         want = math.prod(info.shape)
         if total != want:
-            raise ValueError(f"state_dict[{key!r}]: the ranks' pieces hold {total} of its {want} elements")
+            raise ValueError(f"state_dict[{key!r}]: the ranks' pieces hold "
+                             f"{total} of its {want} elements")
 
 
 def _assign_owners(tensors: dict[str, TensorInfo], holders: dict[tuple[str, Box], list[int]],
@@ -148,9 +152,10 @@ def plan_reads(meta: TensorMeta, target: Box) -> list[ReadOp]:
             first, stop = row_span(chunk.box.sizes, rel)
         lo, hi = chunk.begin + first * item, chunk.begin + stop * item
         blocks = range((lo - chunk.begin) // BLOCK_BYTES, (hi - 1 - chunk.begin) // BLOCK_BYTES + 1)
-        ops.append(ReadOp(chunk, inter, lo, hi, direct, rel.offsets[0] if rel.offsets else 0, blocks))
+        ops.append(ReadOp(chunk, inter, lo, hi, direct, rel.offsets[0] if rel.offsets else 0,
+                          blocks))
     covered = sum(op.inter.numel for op in ops)
     if covered != target.numel:
-        raise ValueError(f"{meta.key!r}: the stored chunks hold {covered} of the {target.numel} elements of "
-                         f"{target}")
+        raise ValueError(f"{meta.key!r}: the stored chunks hold {covered} of the "
+                         f"{target.numel} elements of {target}")
     return ops

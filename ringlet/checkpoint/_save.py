@@ -68,14 +68,15 @@ def _contiguous_cpu(t: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: t.detach().to("cpu").contiguous()
 
 
-def _describe(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[tuple[str, Box], torch.Tensor]]:
+def _describe(state_dict: dict[str, Any]) -> tuple[dict[str, Any],
+                                                   dict[tuple[str, Box], torch.Tensor]]:
     """This rank's JSON description of its state, and its local pieces by (key, box)."""
     tensors, values, pieces = [], [], {}
     for key, leaf in flatten(state_dict).items():
         if leaf.is_tensor:
             local, box = save_piece(leaf.value)
-            tensors.append([key, list(leaf.path), dtype_name(leaf.value.dtype, key), list(leaf.value.shape),
-                            list(box.offsets), list(box.sizes)])
+            tensors.append([key, list(leaf.path), dtype_name(leaf.value.dtype, key),
+                            list(leaf.value.shape), list(box.offsets), list(box.sizes)])
             pieces[(key, box)] = local
         else:
             values.append([key, list(leaf.path), encode_value(leaf.value, key)])
@@ -130,14 +131,18 @@ def write(prep: Prepared, rank: int) -> dict[str, Any]:
         return {"error": None, "file": None, "bytes": 0, "chunks": []}
     name = shard_name(prep.save_id, rank)
     try:
-        size, chunks = write_shard(prep.writer.path, name, prep.save_id, rank, prep.items, prep.writer.sync_files)
+        size, chunks = write_shard(prep.writer.path, name, prep.save_id, rank, prep.items,
+                                   prep.writer.sync_files)
     except Exception as e:  # noqa: BLE001 - reported to every rank by ``finish``
         want = sum(b.numel * prep.plan.tensors[k].itemsize for k, b, _, _ in prep.items)
-        why = f"[errno {e.errno}] {e.strerror}" if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
-        return {"error": f"writing {os.path.join(prep.writer.path, name)} ({want} bytes of tensors) failed: "
-                         f"{why}", "file": name, "bytes": 0, "chunks": []}
+        why = (f"[errno {e.errno}] {e.strerror}" if isinstance(e, OSError)
+               else f"{type(e).__name__}: {e}")
+        where = os.path.join(prep.writer.path, name)
+        return {"error": f"writing {where} ({want} bytes of tensors) failed: {why}", "file": name,
+                "bytes": 0, "chunks": []}
     return {"error": None, "file": name, "bytes": size,
-            "chunks": [[key, c.to_json()] for (key, _, _, _), c in zip(prep.items, chunks, strict=True)]}
+            "chunks": [[key, c.to_json()]
+                       for (key, _, _, _), c in zip(prep.items, chunks, strict=True)]}
 
 
 def _metadata_bytes(prep: Prepared, results: list[dict[str, Any]], world: int) -> bytes:
@@ -157,13 +162,16 @@ def _metadata_bytes(prep: Prepared, results: list[dict[str, Any]], world: int) -
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
-def finish(prep: Prepared, result: dict[str, Any], coord: Coordinator, op: str = "save") -> Metadata:
-    """Phase 3 (collective): exchange write records; rank 0 commits; every rank learns the outcome."""
+def finish(prep: Prepared, result: dict[str, Any], coord: Coordinator,
+           op: str = "save") -> Metadata:
+    """Phase 3 (collective): exchange write records; rank 0 commits; every
+    rank learns the outcome."""
     try:
         results = coord.all_gather_json(result)
         failures = {r: res["error"] for r, res in enumerate(results) if res["error"]}
         if failures:
-            if result["file"] and not result["error"]:     # free the space of a save that will not commit
+            # free the space of a save that will not commit
+            if result["file"] and not result["error"]:
                 remove_quietly(prep.writer.path, result["file"])
             raise CheckpointException(op, failures)
         raw = _metadata_bytes(prep, results, coord.size)
@@ -174,7 +182,8 @@ def finish(prep: Prepared, result: dict[str, Any], coord: Coordinator, op: str =
                 keep = [r["file"] for r in results if r["file"]] + [METADATA_FILE]
                 commit(prep.writer.path, raw, prep.save_id, keep, prep.writer.sync_files)
             except OSError as e:
-                error = f"committing {prep.writer.path}/{METADATA_FILE} failed: [errno {e.errno}] {e.strerror}"
+                error = (f"committing {prep.writer.path}/{METADATA_FILE} failed: [errno {e.errno}] "
+                         f"{e.strerror}")
         coord.agree(op, error)
         return meta
     finally:

@@ -36,7 +36,8 @@ def clean_fqn(model: nn.Module, key: str) -> str:
     out, mod = [], model
     for part in key.split("."):
         child = mod._modules.get(part) if isinstance(mod, nn.Module) else None
-        wrapper = (part == "module" and isinstance(mod, DistributedDataParallel)) or part in _WRAPPER_PARTS
+        wrapper = ((part == "module" and isinstance(mod, DistributedDataParallel))
+                   or part in _WRAPPER_PARTS)
         if not (wrapper and child is not None):
             out.append(part)
         mod = child
@@ -68,14 +69,16 @@ def to_full(value: Any, cpu_offload: bool, keep: bool) -> Any:
 
 def shard_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """``full`` laid out like ``like``: this rank's box of it as a DTensor, or ``full`` itself."""
-    if not isinstance(like, DTensor) or isinstance(full, DTensor) or tuple(full.shape) != tuple(like.shape):
+    if (not isinstance(like, DTensor) or isinstance(full, DTensor)
+            or tuple(full.shape) != tuple(like.shape)):
         return full
     _, box, _ = load_piece(like)
     local = full.detach()
     for d, (o, n) in enumerate(zip(box.offsets, box.sizes, strict=True)):
         local = local.narrow(d, o, n)
     local = local.to(device=like.to_local().device, copy=True).contiguous()
-    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
+    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape,
+                              stride=like.stride())
 
 
 def broadcast_leaves(tree: dict[str, Any] | None) -> Iterator[tuple[Path, Any]]:
@@ -85,14 +88,16 @@ def broadcast_leaves(tree: dict[str, Any] | None) -> Iterator[tuple[Path, Any]]:
         yield from ((leaf.path, leaf.value) for leaf in flatten(tree or {}).values())
         return
     leaves = list(flatten(tree or {}).values()) if rank0 else []
-    skeleton = [[list(lf.path), "t", dtype_name(lf.value.dtype, lf.key), list(lf.value.shape)] if lf.is_tensor
-                else [list(lf.path), "v", encode_value(lf.value, lf.key)] for lf in leaves]
+    skeleton = [[list(lf.path), "t", dtype_name(lf.value.dtype, lf.key), list(lf.value.shape)]
+                if lf.is_tensor else [list(lf.path), "v", encode_value(lf.value, lf.key)]
+                for lf in leaves]
     for i, entry in enumerate(_broadcast_json(skeleton if rank0 else None)):
         path = tuple(entry[0])
         if entry[1] == "v":
             yield path, decode_value(entry[2])
             continue
-        t = leaves[i].value.detach().contiguous() if rank0 else torch.empty(entry[3], dtype=DTYPES[entry[2]][0])
+        t = (leaves[i].value.detach().contiguous() if rank0
+             else torch.empty(entry[3], dtype=DTYPES[entry[2]][0]))
         C.broadcast(t, src=0)
         yield path, t
 

@@ -44,8 +44,8 @@ from ringlet.checkpoint._metadata import (
     ChunkMeta,
 )
 
-__all__ = ["DirLock", "commit", "open_shard", "pread_into", "read_metadata", "remove_quietly", "shard_name",
-           "tensor_bytes", "write_shard"]
+__all__ = ["DirLock", "commit", "open_shard", "pread_into", "read_metadata", "remove_quietly",
+           "shard_name", "tensor_bytes", "write_shard"]
 
 _SHARD = re.compile(r"shard-([0-9a-f]{16})-\d{5}\.safetensors")
 _TMP_META = re.compile(r"\.metadata\.json\.([0-9a-f]{16})\.tmp")
@@ -76,7 +76,8 @@ def _write_all(fd: int, data: memoryview, path: str) -> None:
 
 
 class _Fault:
-    """``RINGLET_CKPT_FAULT=rank=R;after_bytes=N;do=sigkill``: rank R dies N bytes into its shard."""
+    """``RINGLET_CKPT_FAULT=rank=R;after_bytes=N;do=sigkill``: rank R dies N
+    bytes into its shard."""
 
     def __init__(self, rank: int) -> None:
         self.limit: int | None = None
@@ -97,14 +98,17 @@ class _Fault:
 
 
 def _header(save_id: str, rank: int, items: list[tuple[str, Box, str]]) -> tuple[bytes, list[int]]:
-    """The safetensors header for chunks ``items`` (key, box, dtype name) and their begin offsets."""
-    head: dict[str, Any] = {"__metadata__": {"format": FORMAT, "save_id": save_id, "rank": str(rank)}}
+    """The safetensors header for chunks ``items`` (key, box, dtype name)
+    and their begin offsets."""
+    head: dict[str, Any] = {"__metadata__": {"format": FORMAT, "save_id": save_id,
+                                             "rank": str(rank)}}
     offset, begins = 0, []
     for key, box, dtype in items:
         torch_dtype, st_name = DTYPES[dtype]
         n = box.numel * torch_dtype.itemsize
         head[f"{key}@{','.join(map(str, box.offsets))}"] = {
-            "dtype": st_name or dtype, "shape": list(box.sizes), "data_offsets": [offset, offset + n]}
+            "dtype": st_name or dtype, "shape": list(box.sizes),
+            "data_offsets": [offset, offset + n]}
         begins.append(offset)
         offset += n
     raw = json.dumps(head, separators=(",", ":")).encode("utf-8")
@@ -156,7 +160,8 @@ def write_shard(directory: str, name: str, save_id: str, rank: int,
     finally:
         pool.shutdown(wait=True)
     os.close(fd)
-    chunks = [ChunkMeta(box, name, len(header) + begin, len(header) + begin + box.numel * DTYPES[d][0].itemsize, c)
+    chunks = [ChunkMeta(box, name, len(header) + begin,
+                        len(header) + begin + box.numel * DTYPES[d][0].itemsize, c)
               for (_, box, d, _), begin, c in zip(items, begins, crcs, strict=True)]
     return size, chunks
 
@@ -179,7 +184,8 @@ def open_shard(dir_fd: int, name: str, size: int) -> int:
         raise ValueError(f"{name}: missing") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise ValueError(f"{name}: is a symlink; checkpoint files are never followed through links") from None
+            raise ValueError(f"{name}: is a symlink; checkpoint files are "
+                             "never followed through links") from None
         raise ValueError(f"{name}: cannot open ({e.strerror})") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -187,7 +193,8 @@ def open_shard(dir_fd: int, name: str, size: int) -> int:
         raise ValueError(f"{name}: not a regular file")
     if st.st_size != size:
         os.close(fd)
-        raise ValueError(f"{name}: expected {size} bytes, found {st.st_size} (truncated or replaced)")
+        raise ValueError(f"{name}: expected {size} bytes, found "
+                         f"{st.st_size} (truncated or replaced)")
     return fd
 
 
@@ -197,19 +204,22 @@ def pread_into(fd: int, buf: memoryview, offset: int, name: str) -> None:
     while done < len(buf):
         n = os.preadv(fd, [buf[done:]], offset + done)
         if n <= 0:
-            raise ValueError(f"{name}: ended at byte {offset + done}, expected at least {offset + len(buf)}")
+            raise ValueError(f"{name}: ended at byte {offset + done}, expected at "
+                             f"least {offset + len(buf)}")
         done += n
 
 
 def read_metadata(directory: str) -> bytes:
-    """The raw bytes of ``metadata.json`` (no symlink, bounded size); ``FileNotFoundError`` if absent."""
+    """The raw bytes of ``metadata.json`` (no symlink, bounded size);
+    ``FileNotFoundError`` if absent."""
     try:
         fd = os.open(os.path.join(directory, METADATA_FILE), _READ_FLAGS)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise ValueError(f"{directory}/{METADATA_FILE}: is a symlink (refused)") from None
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
-            raise FileNotFoundError(f"{directory}: no committed checkpoint ({METADATA_FILE} not found)") from None
+            raise FileNotFoundError(f"{directory}: no committed checkpoint "
+                                    f"({METADATA_FILE} not found)") from None
         raise
     try:
         st = os.fstat(fd)

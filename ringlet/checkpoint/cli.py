@@ -27,7 +27,8 @@ PROG = "python -m ringlet.distributed.checkpoint"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="List, verify and convert ringlet checkpoints.")
+    p = argparse.ArgumentParser(prog=PROG, description="List, verify and convert "
+                                                       "ringlet checkpoints.")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("ls", help="list tensors and values").add_argument("dir")
     sub.add_parser("verify", help="check every chunk's crc32").add_argument("dir")
@@ -40,9 +41,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _ls(directory: str) -> int:
-    meta = Metadata.from_json_bytes(read_metadata(directory), os.path.join(directory, METADATA_FILE))
+    meta = Metadata.from_json_bytes(read_metadata(directory),
+                                    os.path.join(directory, METADATA_FILE))
     width = max([len(k) for k in meta.tensors] + [len(k) for k in meta.values] + [3])
-    print(f"{directory}: saved by {meta.world_size} rank(s), save id {meta.save_id}, {len(meta.files)} file(s)")
+    print(f"{directory}: saved by {meta.world_size} rank(s), save id {meta.save_id}, "
+          f"{len(meta.files)} file(s)")
     total = 0
     for key, t in meta.tensors.items():
         total += t.nbytes
@@ -70,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _ls(args.dir)
         if args.cmd == "verify":
             return _verify(args.dir)
-        convert = {"to-torch": format_utils.dcp_to_torch_save, "to-safetensors": format_utils.dcp_to_safetensors,
+        convert = {"to-torch": format_utils.dcp_to_torch_save,
+                   "to-safetensors": format_utils.dcp_to_safetensors,
                    "from-torch": format_utils.torch_save_to_dcp,
                    "from-safetensors": format_utils.safetensors_to_dcp}[args.cmd]
         src, dst = (args.dir, args.file) if args.cmd.startswith("to-") else (args.file, args.dir)

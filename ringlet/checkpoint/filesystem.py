@@ -33,9 +33,11 @@ class FileSystemWriter:
         dcp.save(state, storage_writer=FileSystemWriter("ckpt/step_100", sync_files=False))
     """
 
-    def __init__(self, path: str | os.PathLike[str], single_file_per_rank: bool = True, sync_files: bool = True,
-                 thread_count: int = 1, per_thread_copy_ahead: int = 10_000_000,
-                 cache_staged_state_dict: bool = False, overwrite: bool = True, **_torch_only: Any) -> None:
+    def __init__(self, path: str | os.PathLike[str], single_file_per_rank: bool = True,
+                 sync_files: bool = True, thread_count: int = 1,
+                 per_thread_copy_ahead: int = 10_000_000,
+                 cache_staged_state_dict: bool = False, overwrite: bool = True,
+                 **_torch_only: Any) -> None:
         if thread_count < 1:
             raise ValueError(f"FileSystemWriter: thread_count: expected >= 1, got {thread_count}")
         self.path = os.fspath(path)
@@ -48,7 +50,8 @@ class FileSystemWriter:
             self.path = os.fspath(checkpoint_id)
 
     def __repr__(self) -> str:
-        return f"FileSystemWriter({self.path!r}, sync_files={self.sync_files}, overwrite={self.overwrite})"
+        return (f"FileSystemWriter({self.path!r}, sync_files={self.sync_files}, "
+                f"overwrite={self.overwrite})")
 
 
 class FileSystemReader:
@@ -71,7 +74,8 @@ class FileSystemReader:
         from ringlet.checkpoint._metadata import Metadata
         from ringlet.checkpoint._storage import read_metadata
 
-        return Metadata.from_json_bytes(read_metadata(self.path), os.path.join(self.path, "metadata.json"))
+        return Metadata.from_json_bytes(read_metadata(self.path),
+                                        os.path.join(self.path, "metadata.json"))
 
     def __repr__(self) -> str:
         return f"FileSystemReader({self.path!r})"
@@ -86,7 +90,7 @@ def resolve_location(op: str, checkpoint_id: Any, storage: Any, kind: type) -> A
                              f"{'writer' if kind is FileSystemWriter else 'reader'}, got neither")
         return kind(checkpoint_id)
     if not isinstance(storage, kind):
-        raise TypeError(f"{op}: expected a ringlet {kind.__name__}, got {type(storage).__name__} (ringlet reads "
-                        "and writes its own format only)")
+        raise TypeError(f"{op}: expected a ringlet {kind.__name__}, got {type(storage).__name__} "
+                        "(ringlet reads and writes its own format only)")
     storage.reset(checkpoint_id)
     return storage

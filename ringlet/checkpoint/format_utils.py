@@ -30,18 +30,21 @@ from ringlet.checkpoint._save import finish, prepare, write
 from ringlet.checkpoint._storage import open_shard, pread_into, read_metadata
 from ringlet.checkpoint.filesystem import FileSystemWriter
 
-__all__ = ["dcp_to_safetensors", "dcp_to_torch_save", "read_all", "safetensors_to_dcp", "torch_save_to_dcp",
-           "verify"]
+__all__ = ["dcp_to_safetensors", "dcp_to_torch_save", "read_all", "safetensors_to_dcp",
+           "torch_save_to_dcp", "verify"]
 
 
 def _metadata(directory: str) -> Metadata:
-    return Metadata.from_json_bytes(read_metadata(directory), os.path.join(directory, METADATA_FILE))
+    return Metadata.from_json_bytes(read_metadata(directory),
+                                    os.path.join(directory, METADATA_FILE))
 
 
 def read_all(directory: str) -> dict[str, Any]:
-    """The whole checkpoint as a nested state dict of full tensors and values (checksums verified)."""
+    """The whole checkpoint as a nested state dict of full tensors and values
+    (checksums verified)."""
     meta = _metadata(directory)
-    tree = tree_from_paths([(t.path, torch.empty(t.shape, dtype=t.torch_dtype)) for t in meta.tensors.values()]
+    tree = tree_from_paths([(t.path, torch.empty(t.shape, dtype=t.torch_dtype))
+                            for t in meta.tensors.values()]
                            + [(p, None) for p, _ in meta.values.values()])
     load_into(tree, directory, Coordinator())
     return tree
@@ -53,20 +56,25 @@ def _save_local(state_dict: dict[str, Any], directory: str) -> None:
     finish(prep, write(prep, 0), coord)
 
 
-def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike[str], torch_save_path: str | os.PathLike[str]) -> None:
+def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike[str],
+                      torch_save_path: str | os.PathLike[str]) -> None:
     """Write the checkpoint in ``dcp_checkpoint_dir`` as one ``torch.save`` file."""
     torch.save(read_all(os.fspath(dcp_checkpoint_dir)), os.fspath(torch_save_path))
 
 
-def torch_save_to_dcp(torch_save_path: str | os.PathLike[str], dcp_checkpoint_dir: str | os.PathLike[str]) -> None:
-    """Turn a ``torch.save`` file of a state dict into a checkpoint (read with ``weights_only=True``)."""
+def torch_save_to_dcp(torch_save_path: str | os.PathLike[str],
+                      dcp_checkpoint_dir: str | os.PathLike[str]) -> None:
+    """Turn a ``torch.save`` file of a state dict into a checkpoint (read with
+    ``weights_only=True``)."""
     sd = torch.load(os.fspath(torch_save_path), map_location="cpu", weights_only=True)
     if not isinstance(sd, dict):
-        raise TypeError(f"{torch_save_path}: expected a state dict (a dict), got {type(sd).__name__}")
+        raise TypeError(f"{torch_save_path}: expected a state dict (a "
+                        f"dict), got {type(sd).__name__}")
     _save_local(sd, os.fspath(dcp_checkpoint_dir))
 
 
-def dcp_to_safetensors(dcp_checkpoint_dir: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+def dcp_to_safetensors(dcp_checkpoint_dir: str | os.PathLike[str],
+                       path: str | os.PathLike[str]) -> None:
     """Write the checkpoint as one safetensors file keyed by dotted key."""
     from safetensors.torch import save_file
 
@@ -86,8 +94,10 @@ def _load_flat(flat: dict[str, torch.Tensor], directory: str) -> None:
         load_into(flat, directory, Coordinator())
 
 
-def safetensors_to_dcp(path: str | os.PathLike[str], dcp_checkpoint_dir: str | os.PathLike[str]) -> None:
-    """Turn a flat safetensors file into a checkpoint (keys as written; values from ``__metadata__``)."""
+def safetensors_to_dcp(path: str | os.PathLike[str],
+                       dcp_checkpoint_dir: str | os.PathLike[str]) -> None:
+    """Turn a flat safetensors file into a checkpoint (keys as written; values
+    from ``__metadata__``)."""
     from safetensors import safe_open
 
     from ringlet.checkpoint._flatten import decode_value
@@ -138,6 +148,6 @@ def _verify_chunk(fd: int, buf: memoryview, key: str, c: Any) -> list[str]:
             return [f"{c.file}: tensor {key!r} chunk {c.box}: {e}"]
         got = zlib.crc32(buf[:n])
         if got != want:
-            out.append(f"{c.file}: tensor {key!r} chunk {c.box}: crc32 of bytes [{lo}, {lo + n}) is {got:08x}, "
-                       f"expected {want:08x}")
+            out.append(f"{c.file}: tensor {key!r} chunk {c.box}: crc32 of bytes [{lo}, {lo + n}) "
+                       f"is {got:08x}, expected {want:08x}")
     return out

@@ -68,14 +68,17 @@ class StateDictOptions:
 
     def __post_init__(self) -> None:
         if self.broadcast_from_rank0 and not self.full_state_dict:
-            raise ValueError("StateDictOptions: broadcast_from_rank0=True expects full_state_dict=True")
+            raise ValueError("StateDictOptions: broadcast_from_rank0=True "
+                             "expects full_state_dict=True")
         if self.flatten_optimizer_state_dict:
-            raise NotImplementedError("StateDictOptions: flatten_optimizer_state_dict is not supported by ringlet")
+            raise NotImplementedError("StateDictOptions: flatten_optimizer_state_dict "
+                                      "is not supported by ringlet")
 
 
 def _options(options: StateDictOptions | None, submodules: Any = None) -> StateDictOptions:
     if submodules is not None:
-        raise NotImplementedError("submodules= (deprecated in torch) is not supported; pass the submodule as model")
+        raise NotImplementedError("submodules= (deprecated in torch) is not supported; "
+                                  "pass the submodule as model")
     if options is not None and not isinstance(options, StateDictOptions):
         raise TypeError(f"options: expected StateDictOptions, got {type(options).__name__}")
     return options or StateDictOptions()
@@ -83,7 +86,8 @@ def _options(options: StateDictOptions | None, submodules: Any = None) -> StateD
 
 def _model_entries(model: nn.Module, opts: StateDictOptions) -> dict[str, tuple[str, torch.Tensor]]:
     """clean FQN -> (the model's own key, the tensor) for every state dict entry."""
-    frozen = {id(p) for p in model.parameters() if not p.requires_grad} if opts.ignore_frozen_params else set()
+    frozen = ({id(p) for p in model.parameters() if not p.requires_grad}
+              if opts.ignore_frozen_params else set())
     out = {}
     for key, value in model.state_dict(keep_vars=True).items():
         if id(value) in frozen:
@@ -118,7 +122,8 @@ def get_model_state_dict(model: nn.Module, *, submodules: Any = None,
 
 def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
                          options: StateDictOptions | None = None) -> _IncompatibleKeys:
-    """Load ``model_state_dict`` (clean FQNs; sharded, or full with ``full_state_dict``) into ``model``.
+    """Load ``model_state_dict`` (clean FQNs; sharded, or full with
+    ``full_state_dict``) into ``model``.
 
     Returns:
         ``_IncompatibleKeys(missing_keys, unexpected_keys)`` like ``nn.Module.load_state_dict``.
@@ -141,13 +146,15 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
         renamed[key] = shard_like(like, value) if isinstance(value, torch.Tensor) else value
     missing = [fqn for fqn, (key, _) in entries.items() if key not in renamed]
     if opts.strict and (missing or unexpected):
-        raise RuntimeError(f"set_model_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        raise RuntimeError(f"set_model_state_dict: missing keys {missing}, "
+                           f"unexpected keys {unexpected}")
     with torch.no_grad():
         model.load_state_dict(renamed, strict=False)
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _optimizers(optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+def _optimizers(optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+                ) -> list[torch.optim.Optimizer]:
     if isinstance(optimizers, torch.optim.Optimizer):
         return [optimizers]
     out = list(optimizers)
@@ -158,7 +165,8 @@ def _optimizers(optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimiz
 
 def get_optimizer_state_dict(model: nn.Module, optimizers: Any, *, submodules: Any = None,
                              options: StateDictOptions | None = None) -> dict[str, Any]:
-    """The optimizers' state keyed by parameter FQN: ``{"state": {fqn: {...}}, "param_groups": [...]}``.
+    """The optimizers' state keyed by parameter FQN: ``{"state": {fqn: {...}},
+    "param_groups": [...]}``.
 
     An optimizer that has not stepped yet gets its state created first (a step with zero
     gradients and learning rate 0, as torch does), so that ``load`` has tensors to fill.
@@ -175,7 +183,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: Any, optim_state_dict
 
 
 def get_state_dict(model: nn.Module, optimizers: Any, *, submodules: Any = None,
-                   options: StateDictOptions | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+                   options: StateDictOptions | None = None,
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(get_model_state_dict(model), get_optimizer_state_dict(model, optimizers))``.
 
     Example::
@@ -184,12 +193,15 @@ def get_state_dict(model: nn.Module, optimizers: Any, *, submodules: Any = None,
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id="ckpt")
     """
     opts = _options(options, submodules)
-    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizers, options=opts)
+    return (get_model_state_dict(model, options=opts),
+            get_optimizer_state_dict(model, optimizers, options=opts))
 
 
 def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: dict[str, Any],
-                   optim_state_dict: dict[str, Any], options: StateDictOptions | None = None) -> _IncompatibleKeys:
-    """``set_model_state_dict`` then ``set_optimizer_state_dict``; returns the model's incompatible keys."""
+                   optim_state_dict: dict[str, Any],
+                   options: StateDictOptions | None = None) -> _IncompatibleKeys:
+    """``set_model_state_dict`` then ``set_optimizer_state_dict``; returns the
+    model's incompatible keys."""
     opts = _options(options)
     keys = set_model_state_dict(model, model_state_dict, options=opts)
     set_optimizer_state_dict(model, optimizers, optim_state_dict, options=opts)

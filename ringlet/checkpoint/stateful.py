@@ -36,7 +36,8 @@ class Stateful(Protocol):
 
 
 def resolve_stateful(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Stateful]]:
-    """``state_dict`` with its Stateful top-level values replaced by their state, and those objects."""
+    """``state_dict`` with its Stateful top-level values replaced by their
+    state, and those objects."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict: expected a dict, got {type(state_dict).__name__}")
     objects = {k: v for k, v in state_dict.items() if isinstance(v, Stateful)}

@@ -54,8 +54,8 @@ class DTensor(torch.Tensor):
         if isinstance(local_tensor, DTensor):
             raise TypeError("DTensor: local_tensor: expected a torch.Tensor, got a DTensor")
         r = torch.Tensor._make_wrapper_subclass(
-            cls, spec.shape, strides=spec.stride, dtype=local_tensor.dtype, device=local_tensor.device,
-            layout=local_tensor.layout, requires_grad=requires_grad)
+            cls, spec.shape, strides=spec.stride, dtype=local_tensor.dtype,
+            device=local_tensor.device, layout=local_tensor.layout, requires_grad=requires_grad)
         r._local_tensor = local_tensor
         r._spec = spec
         return r
@@ -128,7 +128,8 @@ class DTensor(torch.Tensor):
                     gshape[p.dim] *= mesh.shape[axis]
         else:
             gshape = [int(s) for s in shape]
-        gstride = tuple(stride) if stride is not None else _shard_math.strides_like(local_tensor, gshape)
+        gstride = (tuple(stride) if stride is not None
+                   else _shard_math.strides_like(local_tensor, gshape))
         spec = DTensorSpec(mesh, pls, tuple(gshape), gstride)
         if run_check:
             local_tensor = _check_local(local_tensor, spec)
@@ -166,10 +167,11 @@ class DTensor(torch.Tensor):
         """
         mesh = self.device_mesh if device_mesh is None else device_mesh
         if mesh != self.device_mesh:
-            raise ValueError(f"redistribute: device_mesh: expected {self.device_mesh!r} (this DTensor's mesh), "
-                             f"got {mesh!r}")
+            raise ValueError(f"redistribute: device_mesh: expected {self.device_mesh!r} (this "
+                             f"DTensor's mesh), got {mesh!r}")
         if placements is None:
-            raise ValueError("redistribute: placements: expected one placement per mesh axis, got None")
+            raise ValueError("redistribute: placements: expected one "
+                             "placement per mesh axis, got None")
         pls = normalize_placements(placements, mesh, self.dim(), "redistribute")
         out: DTensor = _Redistribute.apply(self, pls, forward_dtype, backward_dtype)
         return out
@@ -179,9 +181,10 @@ class DTensor(torch.Tensor):
         if id(self) in memo:
             return memo[id(self)]
         if not self.is_leaf:
-            raise RuntimeError("deepcopy of a DTensor: expected a graph leaf (like torch.Tensor), got a "
-                               "tensor with a grad_fn")
-        new = DTensor(copy.deepcopy(self._local_tensor, memo), self._spec, requires_grad=self.requires_grad)
+            raise RuntimeError("deepcopy of a DTensor: expected a graph leaf (like torch.Tensor), "
+                               "got a tensor with a grad_fn")
+        new = DTensor(copy.deepcopy(self._local_tensor, memo), self._spec,
+                      requires_grad=self.requires_grad)
         if getattr(self, "_is_param", False):
             new._is_param = True  # type: ignore[attr-defined]
         memo[id(self)] = new
@@ -189,21 +192,23 @@ class DTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         s = self._spec
-        return (_rebuild_dtensor, (self._local_tensor.detach(), s.mesh, s.placements, s.shape, s.stride,
-                                   self.requires_grad, bool(getattr(self, "_is_param", False))))
+        return (_rebuild_dtensor, (self._local_tensor.detach(), s.mesh, s.placements, s.shape,
+                                   s.stride, self.requires_grad,
+                                   bool(getattr(self, "_is_param", False))))
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool]]:
         return ["_local_tensor"], (self._spec, self.requires_grad)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: tuple[DTensorSpec, bool], outer_size: Any,
-                             outer_stride: Any) -> DTensor:
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: tuple[DTensorSpec, bool],
+                             outer_size: Any, outer_stride: Any) -> DTensor:
         spec, requires_grad = ctx
         return DTensor(inner["_local_tensor"], spec, requires_grad=requires_grad)
 
 
-def _rebuild_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, shape: tuple[int, ...],
-                     stride: tuple[int, ...], requires_grad: bool, is_param: bool) -> torch.Tensor:
+def _rebuild_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Placements,
+                     shape: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool,
+                     is_param: bool) -> torch.Tensor:
     dt = DTensor(local, DTensorSpec(mesh, tuple(placements), tuple(shape), tuple(stride)),
                  requires_grad=requires_grad)
     if is_param:
@@ -226,11 +231,12 @@ def serialization_globals() -> list[Any]:
     return [_rebuild_dtensor, restore_mesh, Shard, Replicate, Partial, _NormPartial, _StridedShard]
 
 
-def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, shape: Sequence[int],
-                 stride: Sequence[int] | None = None) -> DTensor:
+def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Placements,
+                 shape: Sequence[int], stride: Sequence[int] | None = None) -> DTensor:
     """A DTensor from parts, no checks and no autograd (for rules and strategies)."""
     st = tuple(stride) if stride is not None else _shard_math.strides_like(local, shape)
-    return DTensor(local, DTensorSpec(mesh, tuple(placements), tuple(shape), st), requires_grad=False)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tuple(shape), st),
+                   requires_grad=False)
 
 
 def default_mesh() -> DeviceMesh:
@@ -265,14 +271,16 @@ class _FromLocal(torch.autograd.Function):
         spec: DTensorSpec = ctx.spec
         if not isinstance(grad, DTensor):
             return grad, None, None
-        local = redistribute_local(grad._local_tensor, spec.mesh, grad.placements, ctx.grad_pls, grad._spec.shape)
+        local = redistribute_local(grad._local_tensor, spec.mesh, grad.placements, ctx.grad_pls,
+                                   grad._spec.shape)
         return local, None, None
 
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, dt: DTensor, grad_placements: Placements | None) -> torch.Tensor:  # type: ignore[override]
-        ctx.spec = dt._spec if grad_placements is None else dt._spec.with_placements(grad_placements)
+        ctx.spec = (dt._spec if grad_placements is None
+                    else dt._spec.with_placements(grad_placements))
         return dt._local_tensor.view_as(dt._local_tensor)
 
     @staticmethod
@@ -296,7 +304,8 @@ class _Redistribute(torch.autograd.Function):
         else:
             local = redistribute_local(local, dt.device_mesh, dt.placements, pls, dt._spec.shape)
         return DTensor(local, DTensorSpec(dt.device_mesh, pls, dt._spec.shape,
-                                          _shard_math.strides_like(local, dt._spec.shape)), requires_grad=False)
+                                          _shard_math.strides_like(local, dt._spec.shape)),
+                       requires_grad=False)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None, None, None]:  # type: ignore[override]
@@ -310,7 +319,8 @@ class _Redistribute(torch.autograd.Function):
         local = redistribute_local(local, src.mesh, grad.placements, want, src.shape)
         if local.dtype != ctx.in_dtype:
             local = local.to(ctx.in_dtype)
-        return DTensor(local, DTensorSpec(src.mesh, want, src.shape, src.stride), requires_grad=False), None, None, None
+        spec = DTensorSpec(src.mesh, want, src.shape, src.stride)
+        return DTensor(local, spec, requires_grad=False), None, None, None
 
 
 def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
@@ -340,8 +350,9 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     pls = normalize_placements(placements, mesh, tensor.dim(), "distribute_tensor")
     if isinstance(tensor, DTensor):
         if tensor.device_mesh != mesh or tensor.placements != pls:
-            raise ValueError(f"distribute_tensor: tensor: expected a torch.Tensor or a DTensor on {mesh!r} with "
-                             f"{list(pls)}, got {tensor!r} on {tensor.device_mesh!r}; use redistribute")
+            raise ValueError("distribute_tensor: tensor: expected a torch.Tensor or a DTensor on "
+                             f"{mesh!r} with {list(pls)}, got {tensor!r} on "
+                             f"{tensor.device_mesh!r}; use redistribute")
         return tensor
     coord = mesh.get_coordinate()
     if coord is None:
@@ -371,22 +382,23 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
 
 
 def _check_local(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
-    """``from_local(run_check=True)``: shards must fit the global shape; replicas follow coordinate 0."""
+    """``from_local(run_check=True)``: shards must fit the global shape;
+    replicas follow coordinate 0."""
     from ringlet.dtensor import _comm
 
     mesh = spec.mesh
     want = spec.local_shape()
     if list(local.shape) != want:
-        raise ValueError(f"DTensor.from_local: rank {mesh.get_rank()}: expected a local tensor of shape {want} "
-                         f"for global shape {list(spec.shape)} with {list(spec.placements)}, got "
-                         f"{list(local.shape)}")
+        raise ValueError(f"DTensor.from_local: rank {mesh.get_rank()}: expected a local tensor of "
+                         f"shape {want} for global shape {list(spec.shape)} with "
+                         f"{list(spec.placements)}, got {list(local.shape)}")
     probe = torch.tensor([_DTYPE_CODES.get(local.dtype, -1)] + list(spec.shape), dtype=torch.int64)
     for axis in range(mesh.ndim):
         sizes = [1] * mesh.shape[axis]
         seen = _comm.all_gather(probe.unsqueeze(0), mesh, axis, 0, sizes)
         if not bool((seen == probe).all()):
-            raise ValueError(f"DTensor.from_local: ranks along mesh axis {axis} disagree on dtype or global "
-                             f"shape: {seen.tolist()} (dtype code, shape...)")
+            raise ValueError(f"DTensor.from_local: ranks along mesh axis {axis} disagree on dtype "
+                             f"or global shape: {seen.tolist()} (dtype code, shape...)")
     for axis, p in enumerate(spec.placements):
         if isinstance(p, Replicate) and mesh.shape[axis] > 1:
             local = _comm.broadcast(local, mesh, axis, 0)
@@ -394,5 +406,5 @@ def _check_local(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
 
 
 _DTYPE_CODES = {dt: i for i, dt in enumerate([
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128])}
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128])}

@@ -34,14 +34,17 @@ def _order(mesh: DeviceMesh, axis: int) -> list[int]:
     return [mesh._group_rank_of(axis, c) for c in range(mesh.shape[axis])]
 
 
-def all_gather(t: torch.Tensor, mesh: DeviceMesh, axis: int, dim: int, sizes: list[int]) -> torch.Tensor:
-    """Concatenate every coordinate's shard of ``dim`` (``sizes[c]`` rows each) in coordinate order."""
+def all_gather(t: torch.Tensor, mesh: DeviceMesh, axis: int, dim: int,
+               sizes: list[int]) -> torch.Tensor:
+    """Concatenate every coordinate's shard of ``dim`` (``sizes[c]`` rows
+    each) in coordinate order."""
     pg = _group(mesh, axis)
     debug.record("all_gather")
     order = _order(mesh, axis)
     moved = t.movedim(dim, 0).contiguous()
     rest = list(moved.shape[1:])
-    if len(set(sizes)) == 1 and order == sorted(order):      # even and in rank order: one flat buffer
+    # even and in rank order: one flat buffer
+    if len(set(sizes)) == 1 and order == sorted(order):
         out = moved.new_empty([sizes[0] * len(sizes)] + rest)
         C.all_gather_into_tensor(out, moved, group=pg)
         return out.movedim(0, dim)
@@ -52,8 +55,10 @@ def all_gather(t: torch.Tensor, mesh: DeviceMesh, axis: int, dim: int, sizes: li
     return torch.cat([by_group[g] for g in order], 0).movedim(0, dim)
 
 
-def reduce_scatter(t: torch.Tensor, mesh: DeviceMesh, axis: int, dim: int, partial: Partial) -> torch.Tensor:
-    """Reduce ``t`` (whole along ``dim``) across the axis and keep this coordinate's chunk of ``dim``."""
+def reduce_scatter(t: torch.Tensor, mesh: DeviceMesh, axis: int, dim: int,
+                   partial: Partial) -> torch.Tensor:
+    """Reduce ``t`` (whole along ``dim``) across the axis and keep this
+    coordinate's chunk of ``dim``."""
     pg = _group(mesh, axis)
     debug.record("reduce_scatter")
     order = _order(mesh, axis)
@@ -83,7 +88,8 @@ def all_reduce(t: torch.Tensor, mesh: DeviceMesh, axis: int, partial: Partial) -
 
 def all_to_all(t: torch.Tensor, mesh: DeviceMesh, axis: int, src_dim: int, dst_dim: int,
                src_sizes: list[int]) -> torch.Tensor:
-    """Shard(src_dim) -> Shard(dst_dim) along ``axis``: send chunk ``c`` of ``dst_dim`` to coordinate ``c``.
+    """Shard(src_dim) -> Shard(dst_dim) along ``axis``: send chunk ``c`` of
+    ``dst_dim`` to coordinate ``c``.
 
     ``src_sizes[c]`` is coordinate ``c``'s shard of ``src_dim``; ``t`` holds ``dst_dim`` whole.
     """
@@ -104,8 +110,8 @@ def all_to_all(t: torch.Tensor, mesh: DeviceMesh, axis: int, src_dim: int, dst_d
     in_splits = [s.numel() for s in send]
     out_splits = [_numel(s) for s in recv_shapes]
     out = t.new_empty(sum(out_splits))
-    C.all_to_all_single(out, torch.cat(send), output_split_sizes=out_splits, input_split_sizes=in_splits,
-                        group=pg)
+    C.all_to_all_single(out, torch.cat(send), output_split_sizes=out_splits,
+                        input_split_sizes=in_splits, group=pg)
     parts = out.split(out_splits)
     return torch.cat([parts[g].view(recv_shapes[g]) for g in order], src_dim)
 

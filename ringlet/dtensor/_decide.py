@@ -47,8 +47,8 @@ def rule_for(func: Any) -> Any:
     return rule
 
 
-def decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[Any, ...] | None = None, *,
-           overrides: bool = True) -> Any:
+def decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+           key: tuple[Any, ...] | None = None, *, overrides: bool = True) -> Any:
     """Dispatch one call through its rule; with ``key``, record the decision on the mesh.
 
     ``overrides=False``: ignore ``OVERRIDES`` (how an override hands a call it declines back).
@@ -96,24 +96,28 @@ def decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[
 
 
 def _check_strided(call: OpCall, plan: Plan) -> None:
-    """Refuse a plan that keeps a ``_StridedShard`` input but gives a plain ``Shard`` output on its axis.
+    """Refuse a plan that keeps a ``_StridedShard`` input but gives a plain
+    ``Shard`` output on its axis.
 
     Rules build output placements from input dims; a plain shard built from a strided one
     would describe the output's pieces wrongly ([Note: strided shards] in ``_redistribute``).
     Elementwise rules keep the strided placement; other ops on such tensors must redistribute.
     """
-    axes = {a for req in plan.inputs for a, p in enumerate(req) if isinstance(p, Shard) and p._applied_last}
+    axes = {a for req in plan.inputs
+            for a, p in enumerate(req) if isinstance(p, Shard) and p._applied_last}
     if not axes or plan.outputs is None or call.name.startswith("_foreach_"):
-        return          # _foreach_ ops are elementwise per list element: their planner keeps the layout
+        # _foreach_ ops are elementwise per list element: their planner keeps the layout
+        return
     outs = plan.outputs if isinstance(plan.outputs, list) else [plan.outputs]
     for pls in outs:
         for a in axes:
             p = pls[a]
             if isinstance(p, Shard) and not p._applied_last:
                 raise NotImplementedError(
-                    f"{call.func}: no DTensor sharding rule for {call.describe()} on {call.mesh!r} that keeps the "
-                    f"strided layout of mesh axis {a} (fully_shard over tensor-parallel parameters); "
-                    f"redistribute() to plain placements or use full_tensor() first")
+                    f"{call.func}: no DTensor sharding rule for {call.describe()} on "
+                    f"{call.mesh!r} that keeps the strided layout of mesh axis {a} "
+                    "(fully_shard over tensor-parallel parameters); redistribute() to plain "
+                    "placements or use full_tensor() first")
 
 
 def _runner(func: Any, plan: Plan) -> Any:
@@ -157,7 +161,8 @@ def _describe(call: OpCall, result: Any, plan: Plan) -> tuple[int | None, Any]:
 
 
 def local_spec(out: Any, local: torch.Tensor) -> DTensorSpec:
-    """The spec of a ``LOCAL`` output (Replicate: the local shape is the global one), cached by shape."""
+    """The spec of a ``LOCAL`` output (Replicate: the local shape is the global
+    one), cached by shape."""
     mesh, pls, specs = out
     k = (tuple(local.shape), tuple(local.stride()))
     spec = specs.get(k)
@@ -207,7 +212,8 @@ def _wrap(call: OpCall, out: Any, plan: Plan) -> Any:
         raise AssertionError("no output placements")
     metas = _leaves(call.meta()) if shapes is None else None
     if isinstance(outputs, list) and len(outputs) != len(leaves):
-        raise AssertionError(f"{call.func}: rule gave {len(outputs)} output placements for {len(leaves)} outputs")
+        raise AssertionError(f"{call.func}: rule gave {len(outputs)} output placements "
+                             f"for {len(leaves)} outputs")
     for i, x in enumerate(leaves):
         if not isinstance(x, torch.Tensor):
             continue

@@ -71,7 +71,8 @@ def wrap_local(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     """A DTensor around ``local`` (no checks, no autograd): the cheapest constructor."""
     # positional arguments: measurably cheaper to parse than keywords (size, strides,
     # storage_offset, memory_format, dtype, layout, device)
-    r = _new_wrapper(DTensor, spec.shape, spec.stride, None, None, local.dtype, _STRIDED, local.device)
+    r = _new_wrapper(DTensor, spec.shape, spec.stride, None, None, local.dtype, _STRIDED,
+                     local.device)
     r._local_tensor = local
     r._spec = spec
     return r
@@ -79,7 +80,8 @@ def wrap_local(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
 
 def torch_dispatch(cls: Any, func: Any, types: Any, args: tuple[Any, ...] = (),
                    kwargs: dict[str, Any] | None = None) -> Any:
-    """``DTensor.__torch_dispatch__`` itself (installed by ``_api``; see [Note: DTensor dispatch] and
+    """``DTensor.__torch_dispatch__`` itself (installed by ``_api``; see
+    [Note: DTensor dispatch] and
     [Note: dispatch cache])."""
     mesh: Any = None
     key: list[Any] = [func]
@@ -106,7 +108,8 @@ def torch_dispatch(cls: Any, func: Any, types: Any, args: tuple[Any, ...] = (),
                 lkwargs[k] = vals[-1]
         tkey = tuple(key)
         decision = mesh._op_cache.get(tkey)
-    except (_Uncached, TypeError, AttributeError):   # TypeError: unhashable; AttributeError: no mesh
+    # TypeError: unhashable; AttributeError: no mesh
+    except (_Uncached, TypeError, AttributeError):
         return decide(func, args, kwargs or {}, None)
     if decision is None:
         return decide(func, args, kwargs or {}, tkey)

@@ -1,4 +1,5 @@
-"""DTensor factories: ``ones``, ``zeros``, ``empty``, ``full``, ``rand``, ``randn`` (torch's signatures).
+"""DTensor factories: ``ones``, ``zeros``, ``empty``, ``full``, ``rand``,
+``randn`` (torch's signatures).
 
 Each builds only this rank's piece, on the mesh's device, with contiguous global strides.
 ``rand`` and ``randn`` draw the *whole* tensor from the default generator and keep this
@@ -34,8 +35,8 @@ def _size(size: Sequence[Any], op: str) -> tuple[int, ...]:
 
 
 def _build(op: str, size: tuple[int, ...], make: Callable[[list[int]], torch.Tensor], whole: bool,
-           device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None, requires_grad: bool,
-           layout: torch.layout) -> DTensor:
+           device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None,
+           requires_grad: bool, layout: torch.layout) -> DTensor:
     if layout != torch.strided:
         raise ValueError(f"{op}: layout: expected torch.strided, got {layout}")
     mesh = device_mesh if device_mesh is not None else default_mesh()
@@ -58,12 +59,13 @@ def _build(op: str, size: tuple[int, ...], make: Callable[[list[int]], torch.Ten
     return DTensor(local, spec, requires_grad=requires_grad)
 
 
-def _make(op: str, fn: Callable[..., torch.Tensor], size: Sequence[Any], whole: bool, dtype: torch.dtype | None,
-          layout: torch.layout, requires_grad: bool, device_mesh: DeviceMesh | None,
+def _make(op: str, fn: Callable[..., torch.Tensor], size: Sequence[Any], whole: bool,
+          dtype: torch.dtype | None, layout: torch.layout, requires_grad: bool,
+          device_mesh: DeviceMesh | None,
           placements: Sequence[Placement] | None, *fill: Any) -> DTensor:
     dev = (device_mesh if device_mesh is not None else default_mesh()).device_type
-    return _build(op, _size(size, op), lambda s: fn(s, *fill, dtype=dtype, device=dev), whole, device_mesh,
-                  placements, requires_grad, layout)
+    return _build(op, _size(size, op), lambda s: fn(s, *fill, dtype=dtype, device=dev), whole,
+                  device_mesh, placements, requires_grad, layout)
 
 
 def ones(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
@@ -84,29 +86,33 @@ def ones(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = to
 
         w = ones(8, 4, device_mesh=mesh, placements=[Shard(0)])     # 2 ranks: local [4, 4]
     """
-    return _make("ones", torch.ones, size, False, dtype, layout, requires_grad, device_mesh, placements)
+    return _make("ones", torch.ones, size, False, dtype, layout, requires_grad, device_mesh,
+                 placements)
 
 
 def zeros(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = None,
           layout: torch.layout = torch.strided, device_mesh: DeviceMesh | None = None,
           placements: Sequence[Placement] | None = None) -> DTensor:
     """A DTensor of zeros (arguments as :func:`ones`)."""
-    return _make("zeros", torch.zeros, size, False, dtype, layout, requires_grad, device_mesh, placements)
+    return _make("zeros", torch.zeros, size, False, dtype, layout, requires_grad, device_mesh,
+                 placements)
 
 
 def empty(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
           requires_grad: bool = False, device_mesh: DeviceMesh | None = None,
           placements: Sequence[Placement] | None = None) -> DTensor:
     """An uninitialized DTensor (arguments as :func:`ones`)."""
-    return _make("empty", torch.empty, size, False, dtype, layout, requires_grad, device_mesh, placements)
+    return _make("empty", torch.empty, size, False, dtype, layout, requires_grad, device_mesh,
+                 placements)
 
 
 def full(size: Sequence[int], fill_value: Any, *, dtype: torch.dtype | None = None,
          layout: torch.layout = torch.strided, requires_grad: bool = False,
-         device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None) -> DTensor:
+         device_mesh: DeviceMesh | None = None,
+         placements: Sequence[Placement] | None = None) -> DTensor:
     """A DTensor filled with ``fill_value`` (``size`` is one sequence, as in ``torch.full``)."""
-    return _make("full", torch.full, (size,), False, dtype, layout, requires_grad, device_mesh, placements,
-                 fill_value)
+    return _make("full", torch.full, (size,), False, dtype, layout, requires_grad, device_mesh,
+                 placements, fill_value)
 
 
 def rand(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = None,
@@ -114,7 +120,8 @@ def rand(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = No
          placements: Sequence[Placement] | None = None) -> DTensor:
     """Uniform ``[0, 1)`` values, the same global tensor as ``torch.rand(size)`` would draw now
     (see the module docstring); arguments as :func:`ones`."""
-    return _make("rand", torch.rand, size, True, dtype, layout, requires_grad, device_mesh, placements)
+    return _make("rand", torch.rand, size, True, dtype, layout, requires_grad, device_mesh,
+                 placements)
 
 
 def randn(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = None,
@@ -122,4 +129,5 @@ def randn(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = N
           placements: Sequence[Placement] | None = None) -> DTensor:
     """Standard normal values, the same global tensor as ``torch.randn(size)`` would draw now
     (see the module docstring); arguments as :func:`ones`."""
-    return _make("randn", torch.randn, size, True, dtype, layout, requires_grad, device_mesh, placements)
+    return _make("randn", torch.randn, size, True, dtype, layout, requires_grad, device_mesh,
+                 placements)

@@ -17,7 +17,8 @@ __all__ = ["distribute_module"]
 def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
                       partition_fn: Callable[[str, nn.Module, DeviceMesh], None] | None = None,
                       input_fn: Callable[[nn.Module, Any, DeviceMesh], Any] | None = None,
-                      output_fn: Callable[[nn.Module, Any, DeviceMesh], Any] | None = None) -> nn.Module:
+                      output_fn: Callable[[nn.Module, Any, DeviceMesh], Any] | None = None,
+                      ) -> nn.Module:
     """Distribute ``module``'s parameters and buffers over ``device_mesh`` (in place; returns it).
 
     Args:
@@ -44,8 +45,8 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         model = distribute_module(model, mesh, shard_rows)
     """
     if getattr(module, "_distribute_module_applied", False):
-        raise RuntimeError(f"distribute_module: expected a module not distributed yet, got {type(module).__name__} "
-                           "which already was")
+        raise RuntimeError("distribute_module: expected a module not distributed yet, got "
+                           f"{type(module).__name__} which already was")
     mesh = device_mesh if device_mesh is not None else default_mesh()
     for name, sub in module.named_modules():
         if partition_fn is not None:
@@ -60,7 +61,8 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
 
 
 def _replicate_rest(sub: nn.Module, mesh: DeviceMesh) -> None:
-    """Replace the plain parameters and buffers of ``sub`` (not its children) with Replicate DTensors."""
+    """Replace the plain parameters and buffers of ``sub`` (not its children)
+    with Replicate DTensors."""
     rep = [Replicate()] * mesh.ndim
     for name, p in list(sub._parameters.items()):
         if p is not None and not isinstance(p, DTensor):

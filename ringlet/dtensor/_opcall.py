@@ -23,7 +23,8 @@ from ringlet.mesh import DeviceMesh
 __all__ = ["OpCall", "broadcast_shapes", "flatten", "unflatten", "written_names"]
 
 aten = torch.ops.aten
-Spec = list[tuple[type, int] | None]       # per argument: (list or tuple, length) or None for a leaf
+# per argument: (list or tuple, length) or None for a leaf
+Spec = list[tuple[type, int] | None]
 
 
 def flatten(values: Sequence[Any]) -> tuple[list[Any], Spec]:
@@ -78,7 +79,8 @@ def broadcast_shapes(*shapes: Sequence[int]) -> list[int]:
             cur = out[off + d]
             if size != 1:
                 if cur != 1 and cur != size:
-                    raise RuntimeError(f"shapes {[list(x) for x in shapes]} cannot be broadcast together")
+                    raise RuntimeError(f"shapes {[list(x) for x in shapes]} "
+                                       "cannot be broadcast together")
                 out[off + d] = size
     return out
 
@@ -89,7 +91,8 @@ def written_names(func: Any) -> frozenset[str]:
     schema = func._schema
     if not schema.is_mutable:
         return frozenset()
-    return frozenset(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+    return frozenset(a.name for a in schema.arguments
+                     if a.alias_info is not None and a.alias_info.is_write)
 
 
 class OpCall:
@@ -137,14 +140,16 @@ class OpCall:
         self._bound: dict[str, Any] | None = None
 
     def _adopt(self, i: int, x: torch.Tensor) -> Any:
-        """A plain tensor among DTensors: Replicate where allowed ([Note: DTensor dispatch], step 1)."""
+        """A plain tensor among DTensors: Replicate where allowed ([Note:
+        DTensor dispatch], step 1)."""
         copy_src = self.func is aten.copy_.default and i == 1
         if copy_src or experimental.implicit_replication_enabled():
             return make_dtensor(x, self.mesh, (Replicate(),) * self.mesh.ndim, x.shape, x.stride())
         # RuntimeError, not TypeError: torch turns a TypeError in ``a + b`` into NotImplemented.
-        raise RuntimeError(f"{self.func}: expected DTensor arguments only, got a torch.Tensor of shape "
-                           f"{list(x.shape)} mixed with DTensors; convert it with DTensor.from_local or "
-                           "distribute_tensor, or run inside implicit_replication()")
+        raise RuntimeError(f"{self.func}: expected DTensor arguments only, got a "
+                           f"torch.Tensor of shape {list(x.shape)} mixed with DTensors; "
+                           "convert it with DTensor.from_local or distribute_tensor, or run "
+                           "inside implicit_replication()")
 
     def rebuild(self, flat: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """(args, kwargs) with the leaves replaced by ``flat``."""
@@ -177,8 +182,10 @@ class OpCall:
         return self._bound
 
     def slot(self, i: int | str) -> int | None:
-        """Index in ``dts`` of positional argument ``i`` (or keyword ``i``) when it is one DTensor."""
-        leaves = self.kw_slots.get(i, []) if isinstance(i, str) else (self.slots[i] if i < len(self.slots) else [])
+        """Index in ``dts`` of positional argument ``i`` (or keyword ``i``)
+        when it is one DTensor."""
+        leaves = (self.kw_slots.get(i, []) if isinstance(i, str)
+                  else (self.slots[i] if i < len(self.slots) else []))
         return leaves[0] if len(leaves) == 1 else None
 
     def written_positions(self) -> set[int]:
@@ -220,7 +227,8 @@ class OpCall:
                 if k is not None:
                     label = names[i] if i < len(names) else f"arg{i}"
                     parts.append(f"{label}{f'[{j}]' if len(leaves) > 1 else ''}={self.dts[k]!r}")
-        parts += [f"{key}={self.dts[k]!r}" for key, leaves in self.kw_slots.items() for k in leaves if k is not None]
+        parts += [f"{key}={self.dts[k]!r}" for key, leaves in self.kw_slots.items()
+                  for k in leaves if k is not None]
         return ", ".join(parts)
 
 
@@ -241,8 +249,8 @@ def _mesh_of(func: Any, flat: list[Any]) -> DeviceMesh:
             if mesh is None:
                 mesh = m
             elif m is not mesh and m != mesh:
-                raise ValueError(f"{func}: expected every DTensor argument on one DeviceMesh, got {mesh!r} "
-                                 f"and {m!r}")
+                raise ValueError(f"{func}: expected every DTensor argument on one "
+                                 f"DeviceMesh, got {mesh!r} and {m!r}")
     if mesh is None:
         raise AssertionError(f"{func}: dispatched to DTensor without a DTensor argument")
     return mesh

@@ -18,7 +18,8 @@ from ringlet.dtensor.placements import Replicate
 if TYPE_CHECKING:
     from ringlet.dtensor._opcall import OpCall
 
-__all__ = ["NO_CACHE", "OVERRIDES", "RULES", "Decision", "Plan", "register", "replicate_rule", "unsupported"]
+__all__ = ["NO_CACHE", "OVERRIDES", "RULES", "Decision", "Plan", "register", "replicate_rule",
+           "unsupported"]
 
 aten = torch.ops.aten
 Rule = Callable[["OpCall"], "Plan"]
@@ -28,10 +29,12 @@ RULES: dict[Any, Rule] = {}
 OVERRIDES: contextvars.ContextVar[dict[Any, Callable[..., Any]] | None] = contextvars.ContextVar(
     "ringlet_dtensor_overrides", default=None)
 # Ops never cached: those an override may take over (the cached path does not look at OVERRIDES):
-# the cross-entropy pieces that ``loss_parallel()`` (ringlet.parallel.tensor_parallel.loss) replaces.
+# the cross-entropy pieces that ``loss_parallel()``
+# (ringlet.parallel.tensor_parallel.loss) replaces.
 NO_CACHE: set[Any] = {
-    aten._log_softmax.default, aten._log_softmax_backward_data.default, aten.nll_loss_forward.default,
-    aten.nll_loss_backward.default, aten.nll_loss2d_forward.default, aten.nll_loss2d_backward.default,
+    aten._log_softmax.default, aten._log_softmax_backward_data.default,
+    aten.nll_loss_forward.default, aten.nll_loss_backward.default, aten.nll_loss2d_forward.default,
+    aten.nll_loss2d_backward.default,
 }
 
 
@@ -91,9 +94,9 @@ class Decision(NamedTuple):
 def unsupported(call: OpCall, why: str = "") -> NotImplementedError:
     extra = f" ({why})" if why else ""
     return NotImplementedError(
-        f"{call.func}: no DTensor sharding rule for {call.describe()} on {call.mesh!r}{extra}; ops without a "
-        "rule run only when every DTensor argument is Replicate: redistribute first (e.g. "
-        ".redistribute(mesh, [Replicate()]) or .full_tensor())")
+        f"{call.func}: no DTensor sharding rule for {call.describe()} on {call.mesh!r}{extra}; ops "
+        "without a rule run only when every DTensor argument is Replicate: redistribute first "
+        "(e.g. .redistribute(mesh, [Replicate()]) or .full_tensor())")
 
 
 def replicate_rule(call: OpCall) -> Plan:

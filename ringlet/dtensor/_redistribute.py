@@ -76,7 +76,8 @@ def _forced(src: Placements, dst: Placements) -> list[bool]:
             touched = _dims(src[j]) | _dims(dst[j])
             if forced[j] or not touched:
                 continue
-            if any((moving[i] or forced[i]) and touched & (_dims(src[i]) | _dims(dst[i])) for i in range(j)):
+            if any((moving[i] or forced[i]) and touched & (_dims(src[i]) | _dims(dst[i]))
+                   for i in range(j)):
                 forced[j] = changed = True
     return forced
 
@@ -88,7 +89,8 @@ def plan(src: Placements, dst: Placements) -> list[Step]:
     [axis 0: S(0)->R (all_gather)]
     """
     if len(src) != len(dst):
-        raise ValueError(f"redistribute: expected placements for {len(src)} mesh axes, got {list(dst)}")
+        raise ValueError(f"redistribute: expected placements for {len(src)} "
+                         f"mesh axes, got {list(dst)}")
     forced = _forced(src, dst)
     cur = list(src)
     steps: list[Step] = []

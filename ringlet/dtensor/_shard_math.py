@@ -60,12 +60,15 @@ def chunk_offset(size: int, n: int, i: int) -> int:
 
 def shard_order(placements: Sequence[object]) -> list[int]:
     """The mesh axes that shard, in the order their chunks are taken (see the module docstring)."""
-    plain = [a for a, p in enumerate(placements) if _is_shard(p) and not getattr(p, "_applied_last", False)]
-    return plain + [a for a, p in enumerate(placements) if _is_shard(p) and getattr(p, "_applied_last", False)]
+    plain = [a for a, p in enumerate(placements)
+             if _is_shard(p) and not getattr(p, "_applied_last", False)]
+    return plain + [a for a, p in enumerate(placements)
+                    if _is_shard(p) and getattr(p, "_applied_last", False)]
 
 
 def local_shape_and_offset(global_shape: Sequence[int], mesh_shape: Sequence[int],
-                           coord: Sequence[int], placements: Sequence[object]) -> tuple[list[int], list[int]]:
+                           coord: Sequence[int], placements: Sequence[object],
+                           ) -> tuple[list[int], list[int]]:
     """The shape of this rank's shard and its offset in the global tensor.
 
     ``placements`` are objects with ``is_shard()`` and ``dim`` (``Shard``); anything

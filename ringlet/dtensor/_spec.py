@@ -49,8 +49,8 @@ class DTensorSpec:
     def coordinate(self) -> list[int]:
         coord = self.mesh.get_coordinate()
         if coord is None:
-            raise ValueError(f"rank {self.mesh.get_rank()} is not part of {self.mesh!r}; DTensors live on the "
-                             "ranks of their mesh")
+            raise ValueError(f"rank {self.mesh.get_rank()} is not part of {self.mesh!r}; DTensors "
+                             "live on the ranks of their mesh")
         return coord
 
     def local_shape(self) -> list[int]:
@@ -112,12 +112,13 @@ def normalize_placements(placements: Sequence[Placement] | None, mesh: DeviceMes
         return (Replicate(),) * mesh.ndim
     pls = tuple(placements)
     if len(pls) != mesh.ndim:
-        raise ValueError(f"{op}: placements: expected one placement per mesh axis ({mesh.ndim} for {mesh!r}), "
-                         f"got {list(pls)}")
+        raise ValueError(f"{op}: placements: expected one placement per mesh axis ({mesh.ndim} for "
+                         f"{mesh!r}), got {list(pls)}")
     out: list[Placement] = []
     for p in pls:
         if not isinstance(p, Placement):
-            raise TypeError(f"{op}: placements: expected Shard, Replicate or Partial objects, got {p!r}")
+            raise TypeError(f"{op}: placements: expected Shard, Replicate or "
+                            f"Partial objects, got {p!r}")
         if isinstance(p, Shard):
             if not -ndim <= p.dim < max(ndim, 1) or ndim == 0:
                 raise ValueError(f"{op}: placements: {p!r} names a dim outside a {ndim}-d tensor")
@@ -131,7 +132,8 @@ def format_spec(spec: DTensorSpec, dtype: torch.dtype) -> str:
     names = spec.mesh.mesh_dim_names
     dims = []
     for d, size in enumerate(spec.shape):
-        axes = [names[a] if names else str(a) for a, p in enumerate(spec.placements) if p.is_shard(d)]
+        axes = [names[a] if names else str(a)
+                for a, p in enumerate(spec.placements) if p.is_shard(d)]
         dims.append(str(size) + "".join(f"@{a}" for a in axes))
     tag = _DTYPE_TAGS.get(dtype, str(dtype).replace("torch.", ""))
     pls = "".join(repr(p) for p in spec.placements)

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 
 __all__ = ["implicit_replication", "implicit_replication_enabled"]
 
-_enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("ringlet_implicit_replication", default=False)
+_enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("ringlet_implicit_replication",
+                                                                default=False)
 
 
 @contextlib.contextmanager

@@ -72,7 +72,8 @@ class Shard(Placement):
         return _shard_math.chunk_sizes(size, n)
 
     def local_chunk(self, t: torch.Tensor, n: int, coord: int) -> torch.Tensor:
-        """The piece of ``t`` (whole along ``dim``) that the rank at ``coord`` of ``n`` holds (a view)."""
+        """The piece of ``t`` (whole along ``dim``) that the rank at ``coord`` of
+        ``n`` holds (a view)."""
         size = t.shape[self.dim]
         return t.narrow(self.dim, _shard_math.chunk_offset(size, n, coord),
                         _shard_math.chunk_size(size, n, coord))
@@ -101,8 +102,10 @@ class _StridedShard(Shard):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.split_factor, int) or isinstance(self.split_factor, bool) or self.split_factor < 1:
-            raise ValueError(f"_StridedShard: split_factor: expected a positive int, got {self.split_factor!r}")
+        if (not isinstance(self.split_factor, int) or isinstance(self.split_factor, bool)
+                or self.split_factor < 1):
+            raise ValueError("_StridedShard: split_factor: expected a positive int, "
+                             f"got {self.split_factor!r}")
 
     def __repr__(self) -> str:
         return f"_S({self.dim},{self.split_factor})"
@@ -123,7 +126,8 @@ class Replicate(Placement):
         return True
 
 
-_C10D_OPS: dict[str, Any] = {"sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "max": ReduceOp.MAX, "min": ReduceOp.MIN}
+_C10D_OPS: dict[str, Any] = {"sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "max": ReduceOp.MAX,
+                             "min": ReduceOp.MIN}
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -141,7 +145,8 @@ class Partial(Placement):
 
     def __post_init__(self) -> None:
         if self.reduce_op not in _C10D_OPS and not isinstance(self, _NormPartial):
-            raise ValueError(f"Partial: reduce_op: expected one of {sorted(_C10D_OPS)}, got {self.reduce_op!r}")
+            raise ValueError("Partial: reduce_op: expected one of "
+                             f"{sorted(_C10D_OPS)}, got {self.reduce_op!r}")
 
     def __repr__(self) -> str:
         return f"P({self.reduce_op})"
@@ -153,7 +158,8 @@ class Partial(Placement):
 
     @property
     def is_linear(self) -> bool:
-        """Sum and average commute with linear maps (add, mul by a replicated value, matmul, views)."""
+        """Sum and average commute with linear maps (add, mul by a replicated
+        value, matmul, views)."""
         return self.reduce_op in ("sum", "avg")
 
     # -- the reduction, split so the communication layer only runs one all_reduce ---------

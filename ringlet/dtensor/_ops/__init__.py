@@ -32,7 +32,8 @@ def family_rule(func: Any) -> Any:
     rule: Any = None
     if name.startswith("_foreach_"):
         base = name.removeprefix("_foreach_").rstrip("_")
-        rule = reduction.foreach_reduction_rule if base in ("norm", "max") else pointwise.foreach_rule
+        rule = (reduction.foreach_reduction_rule if base in ("norm", "max")
+                else pointwise.foreach_rule)
     elif torch.Tag.pointwise in func.tags:
         rule = pointwise.pointwise_rule
     _cache[func] = rule

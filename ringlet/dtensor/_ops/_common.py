@@ -30,7 +30,8 @@ from ringlet.mesh import DeviceMesh
 __all__ = ["Operand", "broadcast_req", "choose", "linearity", "move_cost", "plan_pointwise", "rep"]
 
 R = Replicate()
-Operand = tuple[Placements | None, Sequence[int]]     # (placements or None for a non-DTensor, global shape)
+# (placements or None for a non-DTensor, global shape)
+Operand = tuple[Placements | None, Sequence[int]]
 
 
 def rep(mesh: DeviceMesh) -> Placements:
@@ -47,12 +48,14 @@ def move_cost(cur: Placement, want: Placement, numel: int) -> float:
 
 
 def choose(mesh: DeviceMesh, operands: Sequence[Operand],
-           strategies: Sequence[tuple[Placement, ...]]) -> tuple[list[list[Placement]], list[Placement]]:
+           strategies: Sequence[tuple[Placement, ...]],
+           ) -> tuple[list[list[Placement]], list[Placement]]:
     """Pick a strategy per mesh axis; returns (required placements per operand, output placements).
 
     Each strategy is ``(operand 0, ..., operand n-1, output)``; ``None`` operands are skipped.
     """
-    req: list[list[Placement]] = [list(pls) if pls is not None else [R] * mesh.ndim for pls, _ in operands]
+    req: list[list[Placement]] = [list(pls) if pls is not None else [R] * mesh.ndim
+                                  for pls, _ in operands]
     out: list[Placement] = []
     for axis in range(mesh.ndim):
         best, best_cost = strategies[0], math.inf
@@ -68,7 +71,8 @@ def choose(mesh: DeviceMesh, operands: Sequence[Operand],
 
 
 def broadcast_req(out_pl: Placement, shape: Sequence[int], out_shape: Sequence[int]) -> Placement:
-    """What an operand of ``shape`` broadcast to ``out_shape`` must be for an output placed ``out_pl``."""
+    """What an operand of ``shape`` broadcast to ``out_shape`` must be for an
+    output placed ``out_pl``."""
     if isinstance(out_pl, Shard):
         d = out_pl.dim - (len(out_shape) - len(shape))
         if d >= 0 and shape[d] == out_shape[out_pl.dim]:
@@ -94,7 +98,8 @@ def linearity(call: OpCall) -> str:
         return "unary"
     if name in ("add", "sub", "lerp"):
         bound = call.bound()
-        constants = [k for k, v in bound.items() if k not in ("alpha", "weight", "self") and _numbers(v)]
+        constants = [k for k, v in bound.items()
+                     if k not in ("alpha", "weight", "self") and _numbers(v)]
         return "none" if constants or any(_plain_scalar(x) for x in call.args) else "add"
     if name in ("mul", "div"):
         return "mul"
@@ -130,7 +135,8 @@ def _plain_scalar(x: Any) -> bool:
 
 def plan_pointwise(mesh: DeviceMesh, operands: Sequence[Operand], out_shape: Sequence[int],
                    inplace: int | None, kind: str,
-                   first_partial_only: bool = False) -> tuple[list[list[Placement]], list[Placement]]:
+                   first_partial_only: bool = False) -> tuple[list[list[Placement]],
+                                                              list[Placement]]:
     """Placements for an elementwise op with broadcasting; returns (required per operand, output).
 
     Per axis the output follows ``inplace``'s placement when the op writes an operand, else
@@ -138,7 +144,8 @@ def plan_pointwise(mesh: DeviceMesh, operands: Sequence[Operand], out_shape: Seq
     (see :func:`linearity`) lets through, else Replicate.  ``first_partial_only``: only
     operand 0 may stay Partial under ``mul`` (division's numerator).
     """
-    req: list[list[Placement]] = [list(p) if p is not None else [R] * mesh.ndim for p, _ in operands]
+    req: list[list[Placement]] = [list(p) if p is not None else [R] * mesh.ndim
+                                  for p, _ in operands]
     out: list[Placement] = []
     nd = len(out_shape)
     for axis in range(mesh.ndim):
@@ -159,8 +166,8 @@ def plan_pointwise(mesh: DeviceMesh, operands: Sequence[Operand], out_shape: Seq
     return req, out
 
 
-def _target(operands: Sequence[Operand], axis: int, nd: int, out_shape: Sequence[int], inplace: int | None,
-            kind: str, first_partial_only: bool) -> Placement:
+def _target(operands: Sequence[Operand], axis: int, nd: int, out_shape: Sequence[int],
+            inplace: int | None, kind: str, first_partial_only: bool) -> Placement:
     if inplace is not None:
         pls, shape = operands[inplace]
         if pls is None:
@@ -181,7 +188,8 @@ def _target(operands: Sequence[Operand], axis: int, nd: int, out_shape: Sequence
         elif isinstance(p, Partial) and partial is None and _passes(p, kind, k, first_partial_only):
             partial = p
     if partial is not None and kind in ("add",) and any(
-            pls is not None and isinstance(pls[axis], Partial) and pls[axis] != partial for pls, _ in operands):
+            pls is not None and isinstance(pls[axis], Partial) and pls[axis] != partial
+            for pls, _ in operands):
         return R
     return partial if partial is not None else R
 

@@ -37,9 +37,11 @@ P = Partial("sum")
 def embedding_rule(call: OpCall) -> Plan:
     w, idx = call.dts[call.slot(0) or 0], call.dts[call.slot(1) or 1]
     last = idx.dim()
-    strategies: list[tuple[Placement, ...]] = [(R, R, R), (Shard(0), R, P), (Shard(1), R, Shard(last))]
+    strategies: list[tuple[Placement, ...]] = [(R, R, R), (Shard(0), R, P),
+                                               (Shard(1), R, Shard(last))]
     strategies += [(R, Shard(d), Shard(d)) for d in range(idx.dim())]
-    req, out = choose(call.mesh, [(w.placements, tuple(w.shape)), (idx.placements, tuple(idx.shape))],
+    req, out = choose(call.mesh,
+                      [(w.placements, tuple(w.shape)), (idx.placements, tuple(idx.shape))],
                       strategies)
     wreq = tuple(req[0])
     shape = tuple(idx.shape) + (w.shape[1],)
@@ -67,7 +69,8 @@ def embedding_backward_rule(call: OpCall) -> Plan:
     strategies: list[tuple[Placement, ...]] = [(R, R, R), (Shard(last), R, Shard(1)), (P, R, P)]
     if not call.bound().get("scale_grad_by_freq", False):     # frequencies need every index
         strategies += [(Shard(d), Shard(d), P) for d in range(idx.dim())]
-    req, out = choose(call.mesh, [(grad.placements, tuple(grad.shape)), (idx.placements, tuple(idx.shape))],
+    req, out = choose(call.mesh,
+                      [(grad.placements, tuple(grad.shape)), (idx.placements, tuple(idx.shape))],
                       strategies)
     shape = (int(call.bound()["num_weights"]), grad.shape[-1])
     return Plan([tuple(r) for r in req], tuple(out), shapes=shape)

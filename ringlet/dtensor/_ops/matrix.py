@@ -39,12 +39,14 @@ def mm_strategies(batch: int) -> list[tuple[Placement, Placement, Placement]]:
     m, k_a, k_b, n = batch, batch + 1, batch, batch + 1
     out: list[tuple[Placement, Placement, Placement]] = [(R, R, R)]
     out += [(Shard(d), Shard(d), Shard(d)) for d in range(batch)]
-    out += [(Shard(m), R, Shard(m)), (R, Shard(n), Shard(n)), (Shard(k_a), Shard(k_b), P), (P, R, P), (R, P, P)]
+    out += [(Shard(m), R, Shard(m)), (R, Shard(n), Shard(n)), (Shard(k_a), Shard(k_b), P),
+            (P, R, P), (R, P, P)]
     return out
 
 
 def _product(call: OpCall, a: int, b: int, batch: int, bias: int | None = None) -> Plan:
-    """Plan for ``a @ b`` (argument positions), plus an additive ``bias`` argument that broadcasts."""
+    """Plan for ``a @ b`` (argument positions), plus an additive ``bias``
+    argument that broadcasts."""
     slots = [call.slot(a), call.slot(b)] + ([call.slot(bias)] if bias is not None else [])
     if any(s is None for s in slots):
         raise AssertionError(f"{call.func}: expected DTensor operands")
@@ -85,14 +87,15 @@ def baddbmm_rule(call: OpCall) -> Plan:
 
 @register(aten.mv.default)
 def mv_rule(call: OpCall) -> Plan:
-    strategies: list[tuple[Placement, ...]] = [(R, R, R), (Shard(0), R, Shard(0)), (Shard(1), Shard(0), P),
-                                               (P, R, P), (R, P, P)]
+    strategies: list[tuple[Placement, ...]] = [(R, R, R), (Shard(0), R, Shard(0)),
+                                               (Shard(1), Shard(0), P), (P, R, P), (R, P, P)]
     return _pair(call, strategies)
 
 
 @register(aten.dot.default)
 def dot_rule(call: OpCall) -> Plan:
-    strategies: list[tuple[Placement, ...]] = [(R, R, R), (Shard(0), Shard(0), P), (P, R, P), (R, P, P)]
+    strategies: list[tuple[Placement, ...]] = [(R, R, R), (Shard(0), Shard(0), P), (P, R, P),
+                                               (R, P, P)]
     return _pair(call, strategies)
 
 

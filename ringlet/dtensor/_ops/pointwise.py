@@ -44,9 +44,10 @@ def pointwise_rule(call: OpCall) -> Plan:
 register(aten.detach.default, aten.detach_.default, aten.alias.default, aten.clone.default,
          aten._to_copy.default, aten.copy_.default, aten.zero_.default, aten.lift_fresh.default,
          aten.lift_fresh_copy.default, aten.masked_fill, aten.masked_fill_, aten.normal_.default,
-         aten.uniform_.default, aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.exponential_.default,
-         aten.random_, aten.native_dropout.default, aten.native_dropout_backward.default, aten.bernoulli.p,
-         aten.bernoulli.default)(pointwise_rule)
+         aten.uniform_.default, aten.bernoulli_.float, aten.bernoulli_.Tensor,
+         aten.exponential_.default, aten.random_, aten.native_dropout.default,
+         aten.native_dropout_backward.default,
+         aten.bernoulli.p, aten.bernoulli.default)(pointwise_rule)
 
 
 @register(aten.fill_.Scalar, aten.fill_.Tensor)
@@ -82,20 +83,22 @@ def foreach_rule(call: OpCall) -> Plan:
     shapes: list[tuple[int, ...] | None] = []
     for i in range(len(call.args[lists[0]])):
         slots = [call.slots[k][i] for k in lists] + [call.slot(k) for k in shared]
-        elems = [call.args[k][i] for k in lists] + [call.args[k] if isinstance(k, int) else call.kwargs[k]
-                                                    for k in shared]
-        operands = [(e.placements, tuple(e.shape)) if isinstance(e, DTensor) else (None, ()) for e in elems]
+        shared_args = [call.args[k] if isinstance(k, int) else call.kwargs[k] for k in shared]
+        elems = [call.args[k][i] for k in lists] + shared_args
+        operands = [(e.placements, tuple(e.shape)) if isinstance(e, DTensor) else (None, ())
+                    for e in elems]
         elem_shapes = [tuple(e.shape) for e in elems if isinstance(e, torch.Tensor)]
         out_shape = broadcast_shapes(*elem_shapes)
         inplace = 0 if slots[0] is not None and slots[0] in written else None
-        r, o = plan_pointwise(call.mesh, operands, out_shape, inplace, kind, call.name.endswith("div"))
+        r, o = plan_pointwise(call.mesh, operands, out_shape, inplace, kind,
+                              call.name.endswith("div"))
         for j, s in enumerate(slots):
             if s is None:
                 continue
             # a tensor shared by every element must agree across elements
             if j >= len(lists) and shared_req.setdefault(s, tuple(r[j])) != tuple(r[j]):
-                raise NotImplementedError(f"{call.func}: the shared tensor {call.dts[s]!r} would need "
-                                          f"different placements for different list elements")
+                raise NotImplementedError(f"{call.func}: the shared tensor {call.dts[s]!r} would "
+                                          "need different placements for different list elements")
             req[s] = tuple(r[j])
         outs.append(tuple(o))
         shapes.append(tuple(out_shape))

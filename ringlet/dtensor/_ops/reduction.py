@@ -26,8 +26,8 @@ __all__ = ["foreach_reduction_rule", "reduction_rule"]
 aten = torch.ops.aten
 R = Replicate()
 
-_KIND = {"sum": "sum", "nansum": "sum", "mean": "mean", "amax": "max", "amin": "min", "max": "max", "min": "min",
-         "linalg_vector_norm": "norm", "norm": "norm", "any": "max", "all": "min"}
+_KIND = {"sum": "sum", "nansum": "sum", "mean": "mean", "amax": "max", "amin": "min", "max": "max",
+         "min": "min", "linalg_vector_norm": "norm", "norm": "norm", "any": "max", "all": "min"}
 
 
 def _dims(call: OpCall, ndim: int) -> list[int]:
@@ -100,8 +100,8 @@ def reduced_shape(shape: Any, reduced: list[int], keepdim: bool) -> tuple[int, .
 def _fill_empty(kind: str | None, func: Any, local: torch.Tensor, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
     """max/min of an empty shard: the identity of the reduction (torch refuses empty max)."""
-    m = func(torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device="meta"), *args[1:],
-             **kwargs)
+    m = func(torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device="meta"),
+             *args[1:], **kwargs)
     if local.dtype.is_floating_point:
         value: Any = -math.inf if kind == "max" else math.inf
     elif local.dtype == torch.bool:
@@ -112,11 +112,13 @@ def _fill_empty(kind: str | None, func: Any, local: torch.Tensor, args: tuple[An
     return torch.full(m.shape, value, dtype=m.dtype, device=local.device)
 
 
-@register(aten.sum.default, aten.sum.dim_IntList, aten.nansum.default, aten.mean.default, aten.mean.dim,
-          aten.amax.default, aten.amin.default, aten.max.default, aten.min.default,
-          aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.any.default,
-          aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims, aten.prod.default,
-          aten.prod.dim_int, aten.var.correction, aten.std.correction, aten.argmax.default,
+@register(aten.sum.default, aten.sum.dim_IntList, aten.nansum.default, aten.mean.default,
+          aten.mean.dim, aten.amax.default, aten.amin.default, aten.max.default, aten.min.default,
+          aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim,
+          aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim,
+          aten.all.dims,
+          aten.prod.default, aten.prod.dim_int, aten.var.correction, aten.std.correction,
+          aten.argmax.default,
           aten.argmin.default, aten.max.dim, aten.min.dim, aten.logsumexp.default)
 def reduction_rule(call: OpCall) -> Plan:
     x = call.dts[0]
@@ -148,7 +150,8 @@ def reduction_rule(call: OpCall) -> Plan:
 
 
 def foreach_reduction_rule(call: OpCall) -> Plan:
-    """``_foreach_norm`` (-> ``P(normp)`` per sharded tensor) and ``_foreach_max`` (-> ``P(max)``)."""
+    """``_foreach_norm`` (-> ``P(normp)`` per sharded tensor) and
+    ``_foreach_max`` (-> ``P(max)``)."""
     name = call.name.removeprefix("_foreach_")
     kind = "norm" if name == "norm" else "max"
     bound = call.bound()

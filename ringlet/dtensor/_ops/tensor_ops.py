@@ -32,8 +32,9 @@ def _no_partial(pls: Placements) -> Placements:
     return tuple(R if isinstance(p, Partial) else p for p in pls)
 
 
-@register(aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
-          aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+@register(aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
+          aten.full_like.default, aten.rand_like.default, aten.randn_like.default,
+          aten.randint_like.default,
           aten.randint_like.low_dtype)
 def like_rule(call: OpCall) -> Plan:
     x = call.dts[0]
@@ -41,15 +42,16 @@ def like_rule(call: OpCall) -> Plan:
                 shapes=tuple(x.shape))
 
 
-@register(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
-          aten.new_empty_strided.default)
+@register(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
+          aten.new_full.default, aten.new_empty_strided.default)
 def new_rule(call: OpCall) -> Plan:
     x = call.dts[0]
     size = [int(s) for s in call.args[1]]
     if size != list(x.shape):
         return Plan([x.placements], rep(call.mesh), shapes="local")
     out = _no_partial(x.placements)
-    local = _shard_math.local_shape_and_offset(size, call.mesh.shape, call.mesh.get_coordinate() or [], out)[0]
+    local = _shard_math.local_shape_and_offset(size, call.mesh.shape,
+                                               call.mesh.get_coordinate() or [], out)[0]
 
     def fn(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         a = list(args)
@@ -122,7 +124,8 @@ def layer_norm_rule(call: OpCall) -> Plan:
 
 @register(aten.native_layer_norm_backward.default)
 def layer_norm_backward_rule(call: OpCall) -> Plan:
-    """grad_input follows the input's shards; weight and bias gradients are partial sums over them."""
+    """grad_input follows the input's shards; weight and bias gradients are
+    partial sums over them."""
     x = call.dts[call.slot(1) or 1]
     k = len(call.args[2])
     normed = set(range(x.dim() - k, x.dim()))
@@ -134,6 +137,7 @@ def layer_norm_backward_rule(call: OpCall) -> Plan:
         inputs.append(target if d.dim() == x.dim() else rep(call.mesh))
     outs: list[Placements] = [target, param_grad, param_grad]
     w, b = call.args[5], call.args[6]
-    shapes = [tuple(x.shape), None if w is None else tuple(w.shape), None if b is None else tuple(b.shape)]
+    shapes = [tuple(x.shape), None if w is None else tuple(w.shape),
+              None if b is None else tuple(b.shape)]
     return Plan(inputs, outs, shapes=shapes)
 

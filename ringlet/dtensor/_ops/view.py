@@ -63,8 +63,8 @@ def view_groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], lis
     return groups
 
 
-def _view_target(d: int, groups: list[tuple[list[int], list[int]]], a: Sequence[int], b: Sequence[int],
-                 count: int) -> int | None:
+def _view_target(d: int, groups: list[tuple[list[int], list[int]]], a: Sequence[int],
+                 b: Sequence[int], count: int) -> int | None:
     """The output dim that input dim ``d`` (split into ``count`` shards) becomes, or None."""
     for ins, outs in groups:
         if d not in ins:
@@ -82,8 +82,8 @@ def _view_target(d: int, groups: list[tuple[list[int], list[int]]], a: Sequence[
 
 def _local_shape(call: OpCall, out: Sequence[Placement]) -> list[int]:
     m = call.meta()
-    return _shard_math.local_shape_and_offset(m.shape, call.mesh.shape, call.mesh.get_coordinate() or [],
-                                              out)[0]
+    return _shard_math.local_shape_and_offset(m.shape, call.mesh.shape,
+                                              call.mesh.get_coordinate() or [], out)[0]
 
 
 def _with_size(pos: int, out: list[Placement], call: OpCall) -> Any:
@@ -135,8 +135,10 @@ def view_rule(call: OpCall) -> Plan:
     return Plan([tuple(req)], tuple(out), _with_size(1, out, call))
 
 
-def _moved(call: OpCall, move: Any, gather: set[int] | None = None) -> tuple[Placements, Placements]:
-    """(required, output) placements when dim ``d`` becomes ``move(d)``; dims in ``gather`` are gathered."""
+def _moved(call: OpCall, move: Any,
+           gather: set[int] | None = None) -> tuple[Placements, Placements]:
+    """(required, output) placements when dim ``d`` becomes ``move(d)``; dims in
+    ``gather`` are gathered."""
     req: list[Placement] = []
     out: list[Placement] = []
     for p in call.dts[0].placements:
@@ -250,7 +252,8 @@ def stack_rule(call: OpCall) -> Plan:
     ts = call.args[0]
     dim = call.bound().get("dim", 0) % (ts[0].dim() + 1)
     target = _unify(call, ts, -1)
-    out = tuple(Shard(p.dim + 1 if p.dim >= dim else p.dim) if isinstance(p, Shard) else p for p in target)
+    out = tuple(Shard(p.dim + 1 if p.dim >= dim else p.dim) if isinstance(p, Shard) else p
+                for p in target)
     shape = list(ts[0].shape)
     shape.insert(dim, len(ts))
     return Plan([target] * len(call.dts), out, shapes=tuple(shape))
@@ -266,7 +269,8 @@ def index_select_rule(call: OpCall) -> Plan:
 
 @register(aten.view_as_complex.default)
 def view_as_complex_rule(call: OpCall) -> Plan:
-    """``[..., 2]`` reals -> ``[...]`` complex: shards of the other dims stay (the pair dim is never split)."""
+    """``[..., 2]`` reals -> ``[...]`` complex: shards of the other dims stay (the
+    pair dim is never split)."""
     x = call.dts[0]
     last = x.dim() - 1
     req, out = _moved(call, lambda d: d, {last})
