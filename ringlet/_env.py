@@ -24,10 +24,17 @@ torch's variables that users already set are honoured too (a ``RINGLET_*`` one w
 
 | variable | meaning in ringlet | default |
 |---|---|---|
-| ``TORCH_DISTRIBUTED_DEBUG`` | same as ``RINGLET_DEBUG`` | OFF |
+| ``TORCH_DISTRIBUTED_DEBUG`` | same as ``RINGLET_DEBUG`` (``set_debug_level_from_env()`` reads it again) | OFF |
 | ``GLOO_SOCKET_IFNAME`` | same as ``RINGLET_IFNAME`` (the first of a comma-separated list) | unset |
-| ``TORCH_CPP_LOG_LEVEL`` | level of ringlet's log: ``INFO``, ``WARNING``, ``ERROR``, ``FATAL`` | unset: quiet |
-| ``TORCH_SHOW_CPP_STACKTRACES`` | ``1``: hang reports carry every rank's full Python stack | 0 |
+| ``TORCH_CPP_LOG_LEVEL`` | level of ringlet's log (logger ``ringlet``): ``INFO``, ``WARNING``, ``ERROR``, ``FATAL`` | unset: quiet |
+| ``TORCH_SHOW_CPP_STACKTRACES`` | ``1``: hang reports carry every rank's full Python stack, not only the innermost user frame | 0 |
+| ``TORCHELASTIC_RUN_ID``, ``LOCAL_RANK`` | read by ``is_torchelastic_launched()`` and ``get_node_local_rank()`` | set by ringlet-run |
+
+Set by ``ringlet-run`` for its workers, not by hand: ``RINGLET_RUN_DIR`` (the run's private
+directory), ``RINGLET_GENERATION`` (the restart count), ``RINGLET_LAUNCHER_PID``,
+``RINGLET_HEARTBEAT_FILE`` (the worker's heartbeat counter), ``RINGLET_CONSOLE_TTY`` (the
+worker's output ends on a terminal), besides torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
+and the rest.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""Write docs/api.md, the API reference, from the docstrings of ringlet's public modules.
+"""Write docs/api.md, the API reference, from the docstrings of ringlet's public modules, and
+the environment-variable section of docs/usage.md from ``ringlet/_env.py``'s docstring.
 
 The public modules are those that mirror torch's paths (``ringlet.distributed`` and every
 non-private module below it, ``ringlet.nn``, ``ringlet.utils``) plus ``ringlet.testing``; a
 module's public names are its ``__all__``.  Each object is described once, under the first
 module (shallowest first) that exports it; other modules that re-export it link there.
 
-    .venv/bin/python scripts/gen_api_docs.py            # rewrite docs/api.md
-    .venv/bin/python scripts/gen_api_docs.py --check    # exit 1 if docs/api.md is stale
+    .venv/bin/python scripts/gen_api_docs.py            # rewrite what is stale
+    .venv/bin/python scripts/gen_api_docs.py --check    # exit 1 if a page is stale
 
 ``tests/test_api_docs.py`` runs the check and requires a docstring on every public name.
 """
@@ -310,6 +311,61 @@ def launcher_flags() -> list[str]:
     return rows
 
 
+ENV_DOC = ROOT / "docs" / "usage.md"
+ENV_BEGIN = ("<!-- generated from the docstring of ringlet/_env.py by scripts/gen_api_docs.py: "
+             "edit it there -->")
+ENV_END = "<!-- end of the generated section -->"
+
+
+def env_section() -> str:
+    """The environment-variable tables of ``ringlet/_env.py``'s docstring, as Markdown."""
+    from ringlet import _env
+
+    body = inspect.cleandoc(_env.__doc__ or "").split("\n\n", 1)[1]
+    body = re.sub(r"``([^`]+)``", r"`\1`", body).replace("docs/security.md", "[security.md](security.md)")
+    intro = ("Every `RINGLET_*` variable is read in one module, `ringlet/_env.py`, and documented in "
+             "its docstring, from which this section is generated.")
+    return f"{ENV_BEGIN}\n\n{intro}\n\n{body.strip()}\n\n{ENV_END}"
+
+
+def with_env_section(page: str) -> str:
+    """``page`` (docs/usage.md) with its generated section replaced by the current one."""
+    begin, end = page.find(ENV_BEGIN), page.find(ENV_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"{ENV_DOC}: expected the markers {ENV_BEGIN!r} ... {ENV_END!r}")
+    return page[:begin] + env_section() + page[end + len(ENV_END):]
+
+
+TOC_LINES = 150          # pages longer than this get a table of contents
+
+
+def with_toc(page: str) -> str:
+    """``page`` with a ``## Contents`` list of its ``##`` sections (inserted before the first
+    one, or refreshed) if it is longer than TOC_LINES; otherwise unchanged."""
+    if len(page.splitlines()) <= TOC_LINES:
+        return page
+    heads, fenced = [], False
+    for line in page.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("## ") and line != "## Contents":
+            heads.append(line[3:].strip())
+    used: dict[str, int] = {}
+    slug("contents", used)
+    items = [f"- [{h}](#{slug(h, used)})" for h in heads]
+    toc = "## Contents\n\n" + "\n".join(items) + "\n\n"
+    old = re.search(r"^## Contents\n\n(?:- .*\n)*\n", page, re.MULTILINE)
+    if old:
+        return page[:old.start()] + toc + page[old.end():]
+    first = re.search(r"^## ", page, re.MULTILINE)
+    return page if first is None else page[:first.start()] + toc + page[first.start():]
+
+
+def doc_pages() -> list[pathlib.Path]:
+    """The guides that get a table of contents (not the generated reference, not the index)."""
+    return [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name not in ("api.md", "index.md")]
+
+
 def render() -> str:
     page = Page()
     for modname in public_modules():
@@ -338,14 +394,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/api.md is not current")
     args = ap.parse_args(argv)
-    text = render()
+    pages = {path: with_toc(path.read_text()) for path in doc_pages()}
+    pages[ENV_DOC] = with_toc(with_env_section(ENV_DOC.read_text()))
+    pages[OUT] = render()
+    stale = [path for path, text in pages.items() if path.read_text() != text]
     if args.check:
-        if OUT.read_text() != text:
-            print(f"docs/api.md is stale: run {COMMAND}", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT.relative_to(ROOT)} ({len(text.splitlines())} lines)")
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is stale: run {COMMAND}", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(pages[path])
+        print(f"wrote {path.relative_to(ROOT)}")
     return 0
 
 

@@ -53,6 +53,28 @@ def test_api_reference_reaches_every_name_from_the_docs_index() -> None:
     assert "### ringlet.distributed.all_reduce\n" in text
 
 
+def test_environment_section_of_usage_is_current() -> None:
+    page = (ROOT / "docs" / "usage.md").read_text()
+    assert page == gen.with_env_section(page), (
+        f"docs/usage.md's environment variables differ from ringlet/_env.py; regenerate with: {gen.COMMAND}")
+
+
+def test_every_environment_variable_is_documented_once() -> None:
+    """Each RINGLET_* name the package uses (a string literal) is in ringlet/_env.py's docstring,
+    and the docs have one table of them (usage.md), which other pages link to."""
+    from ringlet import _env
+
+    used = set()
+    for path in (ROOT / "ringlet").rglob("*.py"):
+        used |= set(re.findall(r"[\"']((?:RINGLET|TORCH|GLOO|TORCHELASTIC)_[A-Z_]+)[\"']", path.read_text()))
+    doc = _env.__doc__ or ""
+    undocumented = sorted(v for v in used if v.startswith("RINGLET_") and f"``{v}``" not in doc)
+    assert not undocumented, f"environment variables missing from ringlet/_env.py's docstring: {undocumented}"
+    tables = [p.name for p in (ROOT / "docs").glob("*.md")
+              if re.search(r"^\| `RINGLET_TIMEOUT` \|", p.read_text(), re.MULTILINE)]
+    assert tables == ["usage.md"], f"the environment-variable table must live in usage.md only: {tables}"
+
+
 def test_every_launcher_flag_is_explained() -> None:
     from ringlet.launcher._plan import build_parser
 
