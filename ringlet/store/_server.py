@@ -53,7 +53,8 @@ class _Conn:
 class StoreServer:
     """The store server loop (runs in a daemon thread of the master process)."""
 
-    def __init__(self, listener: socket.socket, token: bytes, host: str, secret_id: str = "") -> None:
+    def __init__(self, listener: socket.socket, token: bytes, host: str,
+                 secret_id: str = "") -> None:
         bound_ip, self.port = listener.getsockname()[:2]
         # Where the master's own client connects: the bound address, loopback for "any".
         self.connect_host: str = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bound_ip, bound_ip)
@@ -240,7 +241,8 @@ class StoreServer:
         if version != P.VERSION:
             status = P.HS_BAD_VERSION
         elif not (
-            flags & P.CLIENT_HAS_MAC and hmac.compare_digest(mac, P.token_mac(self.token, conn.nonce))
+            flags & P.CLIENT_HAS_MAC
+            and hmac.compare_digest(mac, P.token_mac(self.token, conn.nonce))
         ):
             status = P.HS_BAD_TOKEN
         if status != P.HS_OK:
@@ -334,7 +336,8 @@ def acquire_server(
         if server is not None:
             server.refs += 1
             return server
-        listener = listener_from_fd(listen_fd) if listen_fd is not None else bind_listener(host, port)
+        listener = (listener_from_fd(listen_fd) if listen_fd is not None
+                    else bind_listener(host, port))
         secret_id = ""
         if token is None:   # [Note: host secret]: same-user processes of this host can still join
             try:

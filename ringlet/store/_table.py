@@ -131,7 +131,8 @@ class KeyTable:
         key, _block = self._args(op, args, 2)   # a non-blocking QUEUE_POP (blocking ones park)
         value = self._pop(self._key(key))
         if value is None:
-            return Status.QUEUE_EMPTY, [f"queue {key.decode('utf-8', 'replace')!r} is empty".encode()]
+            return (Status.QUEUE_EMPTY,
+                    [f"queue {key.decode('utf-8', 'replace')!r} is empty".encode()])
         return Status.OK, [value]
 
     def _pop(self, key: str) -> bytes | None:

@@ -78,7 +78,8 @@ class FileStore(Store):
     ) -> None:
         super().__init__(timeout)
         if not isinstance(world_size, int) or world_size == 0 or world_size < -1:
-            raise ValueError(f"FileStore world_size: expected a positive int or -1, got {world_size!r}")
+            raise ValueError("FileStore world_size: expected a positive int "
+                             f"or -1, got {world_size!r}")
         self._path = os.path.abspath(os.fspath(file_name))
         self._world_size = world_size
         self._lock = threading.Lock()  # flock does not exclude threads sharing our fd
@@ -117,11 +118,12 @@ class FileStore(Store):
                 store=self._path,
             ) from None
         st = os.fstat(self._fd)
-        if st.st_uid != os.geteuid():   # writable by us yet another user's: anyone could inject keys
+        # writable by us yet another user's: anyone could inject keys
+        if st.st_uid != os.geteuid():
             os.close(self._fd)
             raise DistStoreError(
-                f"FileStore {self._path}: expected a file of this user (uid {os.geteuid()}), got one "
-                f"owned by uid {st.st_uid}; use a fresh path in a private directory",
+                f"FileStore {self._path}: expected a file of this user (uid {os.geteuid()}), got "
+                f"one owned by uid {st.st_uid}; use a fresh path in a private directory",
                 store=self._path,
             )
         self._identity = (st.st_dev, st.st_ino)

@@ -107,7 +107,8 @@ class TCPStore(Store):
         self._closed = True  # until fully constructed: __del__ must not act
         _validate(host_name, port, world_size, is_master)
         token = token if token is not None else _env.store_token()
-        self._init_client(host_name, port, world_size, token, rank if rank is not None else _env.env_rank())
+        self._init_client(host_name, port, world_size, token,
+                          rank if rank is not None else _env.env_rank())
         self._is_master = is_master
         if is_master:
             self._start_server(multi_tenant, master_listen_fd)
@@ -175,7 +176,8 @@ class TCPStore(Store):
         raise DistStoreError(
             f"TCPStore {self._where}: timed out after {time.monotonic() - started:.1f}s waiting "
             f"for workers: {joined}/{n} joined{detail}",
-            store=self._where, joined=joined, world_size=n, missing_ranks=missing if claimed else None,
+            store=self._where, joined=joined, world_size=n,
+            missing_ranks=missing if claimed else None,
         )
 
     def _connect(self, join: bool) -> _ClientConn:
@@ -241,7 +243,8 @@ class TCPStore(Store):
         return conn
 
     def _call(
-        self, op: P.Op, args: list[bytes], wait_s: float | None = None, keys: list[str] | None = None
+        self, op: P.Op, args: list[bytes], wait_s: float | None = None,
+        keys: list[str] | None = None
     ) -> list[bytes]:
         """One request/response; ``wait_s`` marks a parkable request (get/wait) on ``keys``."""
         conn = self._conn()
@@ -459,4 +462,5 @@ def _validate(host: object, port: object, world_size: object, is_master: bool) -
     if world_size is not None and (
         not isinstance(world_size, int) or world_size == 0 or world_size < -1
     ):
-        raise ValueError(f"TCPStore world_size: expected a positive int or None, got {world_size!r}")
+        raise ValueError("TCPStore world_size: expected a positive int or None, got "
+                         f"{world_size!r}")

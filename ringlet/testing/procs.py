@@ -77,7 +77,8 @@ def _child(rank: int, n: int, port: int, backend: str, op_timeout: float, env: d
 
     store = None
     try:
-        store = TCPStore("127.0.0.1", port, n, is_master=False, timeout=timedelta(seconds=op_timeout + 10))
+        store = TCPStore("127.0.0.1",
+                         port, n, is_master=False, timeout=timedelta(seconds=op_timeout + 10))
         dist.init_process_group(backend, store=store, rank=rank, world_size=n,
                                 timeout=timedelta(seconds=op_timeout))
         value = fn(rank, n, *args)
@@ -100,8 +101,9 @@ def _child(rank: int, n: int, port: int, backend: str, op_timeout: float, env: d
         conn.close()
 
 
-def run_world(n: int, fn: Callable[..., Any], *args: Any, backend: str = "shm", timeout: float = 60.0,
-              op_timeout: float = 10.0, env: dict[str, str] | None = None) -> list[RankResult]:
+def run_world(n: int, fn: Callable[..., Any], *args: Any, backend: str = "shm",
+              timeout: float = 60.0, op_timeout: float = 10.0,
+              env: dict[str, str] | None = None) -> list[RankResult]:
     """Run ``fn(rank, n, *args)`` in ``n`` processes joined in one default group.
 
     ``fn`` must be importable (module level).  Returns one :class:`RankResult`
@@ -118,7 +120,8 @@ def run_world(n: int, fn: Callable[..., Any], *args: Any, backend: str = "shm", 
         for r in range(n):
             parent, child = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"rank{r}", daemon=True,
-                            args=(r, n, server.port, backend, op_timeout, env or {}, fn, args, child, t0))
+                            args=(r, n, server.port, backend, op_timeout, env or {}, fn, args,
+                                  child, t0))
             p.start()
             child.close()
             procs.append(p)
@@ -150,7 +153,8 @@ def _collect(procs: list[Any], conns: list[Any], t0: float, timeout: float) -> l
             if died or not procs[r].is_alive():
                 procs[r].join(1.0)
                 results[r] = RankResult(r, procs[r].exitcode, None, "died",
-                                        f"rank {r} exited with code {procs[r].exitcode} without reporting",
+                                        f"rank {r} exited with code "
+                                        f"{procs[r].exitcode} without reporting",
                                         "", time.time() - t0)
                 pending.discard(r)
     for r in pending:   # hung: dump stacks, then the finally-block kills it
@@ -189,6 +193,6 @@ def raise_first(results: list[RankResult]) -> list[Any]:
     bad = sorted((r for r in results if not r.ok), key=lambda r: r.elapsed)
     if bad:
         first = bad[0]
-        raise AssertionError(f"rank {first.rank} failed first ({first.exc_type}, exit {first.exitcode}): "
-                             f"{first.message}")
+        raise AssertionError(f"rank {first.rank} failed first ({first.exc_type}, exit "
+                             f"{first.exitcode}): {first.message}")
     return [r.value for r in results]

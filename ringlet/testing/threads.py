@@ -1,4 +1,5 @@
-"""Ranks as threads: one process, one ``inproc`` world per thread (see [Note: where the world lives])."""
+"""Ranks as threads: one process, one ``inproc`` world per thread (see [Note:
+where the world lives])."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def run_threads(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
             if _world.is_initialized():
                 _world.destroy_process_group()
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}", daemon=True) for r in range(world_size)]
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}", daemon=True)
+               for r in range(world_size)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout
@@ -69,11 +71,13 @@ def run_threads(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
                     pg.abort(f"run_threads: ranks {hung} still running after {timeout} s")
         for t in threads:
             t.join(5.0)
-        raise RankFailure(f"run_threads: ranks {hung} did not finish within {timeout} s", hung[0], None)
+        raise RankFailure(f"run_threads: ranks {hung} did not finish within {timeout} s",
+                          hung[0], None)
     if errors:
         errors.sort(key=lambda e: e[0])
         _, rank, exc, tb = errors[0]
-        raise RankFailure(f"rank {rank} failed first: {type(exc).__name__}: {exc}\n{tb}", rank, exc) from exc
+        raise RankFailure(f"rank {rank} failed first: {type(exc).__name__}: {exc}\n{tb}",
+                          rank, exc) from exc
     return results
 
 

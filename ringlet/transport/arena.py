@@ -181,7 +181,8 @@ class Arena:
     # -- header / control fields -------------------------------------------------
     def init_header(self, creator: int) -> None:
         q, lay = self.q, self.layout
-        q[H_WORLD], q[H_SLOT], q[H_P2P], q[H_TOTAL] = lay.world_size, lay.slot_bytes, lay.p2p_bytes, lay.total
+        q[H_WORLD], q[H_SLOT], q[H_P2P], q[H_TOTAL] = (lay.world_size, lay.slot_bytes,
+                                                       lay.p2p_bytes, lay.total)
         q[H_CREATOR], q[H_VERSION] = creator, VERSION
         q[H_MAGIC] = MAGIC
 
@@ -221,7 +222,8 @@ class Arena:
         data = reason.encode("utf-8", "replace")[:REASON_MAX]
         self.u8[REASON_OFF:REASON_OFF + REASON_MAX].zero_()
         if data:
-            self.u8[REASON_OFF:REASON_OFF + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            self.u8[REASON_OFF:REASON_OFF + len(data)].copy_(encoded)
         self.q[H_ABORT] = 1 + self.rank
         self.ring()
 
@@ -337,19 +339,21 @@ class Arena:
     def _check_peers(self, ranks: Sequence[int], ctx: OpContext) -> None:
         for r in ranks:
             if self.q[self.ctrl(r, C_DEPARTED)]:
-                raise ctx.error(PeerFailureError, f"rank {r} ({self.describe_peer(r)}) left the group "
-                                "(destroy_process_group or exit) before joining this operation", peer=r)
+                raise ctx.error(PeerFailureError, f"rank {r} ({self.describe_peer(r)}) "
+                                "left the group (destroy_process_group or exit) before "
+                                "joining this operation", peer=r)
             if not self.alive(r):
-                raise ctx.error(PeerFailureError, f"rank {r} ({self.describe_peer(r)}) died while this "
-                                "rank waited for it", peer=r)
+                raise ctx.error(PeerFailureError, f"rank {r} ({self.describe_peer(r)}) died "
+                                "while this rank waited for it", peer=r)
 
     def _timeout_error(self, ranks: Sequence[int], ctx: OpContext) -> DistBackendError:
         q = self.q
         where = "; ".join(
-            f"rank {r} last entered #{q[self.ctrl(r, C_ENTERED)]} and completed #{q[self.ctrl(r, C_DONE)]}"
+            f"rank {r} last entered #{q[self.ctrl(r, C_ENTERED)]} and completed "
+            f"#{q[self.ctrl(r, C_DONE)]}"
             for r in ranks)
-        return ctx.error(CollectiveTimeoutError, f"timed out waiting for ranks {list(ranks)} ({where}); "
-                         f"this rank last completed #{q[self.ctrl(self.rank, C_DONE)]}",
+        return ctx.error(CollectiveTimeoutError, f"timed out waiting for ranks {list(ranks)} "
+                         f"({where}); this rank last completed #{q[self.ctrl(self.rank, C_DONE)]}",
                          missing=list(ranks))
 
     def release(self) -> None:

@@ -226,7 +226,8 @@ class ArenaTransport(InplaceCollectives, Transport):
             self._done(ctx)
             return
         off = self._heap_offset(fi, nbytes * n) if ranks is None else -1
-        if off >= 0 and red.exact and (not overlaps(fi, fo) or fo.data_ptr() == fi[me * N:].data_ptr()):
+        if off >= 0 and red.exact and (not overlaps(fi, fo)
+                                       or fo.data_ptr() == fi[me * N:].data_ptr()):
             self.q[self._entered_i] = ctx.seq
             if self._inplace_reduce_scatter(fi, fo, red, off, ctx):
                 self._done(ctx)
@@ -307,7 +308,8 @@ class ArenaTransport(InplaceCollectives, Transport):
         if self.heap is not None and ranks is None and nbytes > INPLACE_MIN_BYTES:
             in_off = self._heap_offset(inp, nbytes)
             out_off = self._heap_offset(out, nbytes)
-            alias = overlaps(inp, out) and inp.data_ptr() != out.view(-1)[self.rank * inp.numel():].data_ptr()
+            alias = (overlaps(inp, out)
+                     and inp.data_ptr() != out.view(-1)[self.rank * inp.numel():].data_ptr())
             if (in_off >= 0 or out_off >= 0) and not alias:
                 self.q[self._entered_i] = ctx.seq
                 if self._inplace_all_gather(inp, out, in_off, out_off, ctx):

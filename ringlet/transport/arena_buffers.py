@@ -40,7 +40,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["ALIGN", "RELEASE_BYTES", "BufferHeap", "anonymous_heap", "file_commit", "region_bytes_for"]
+__all__ = ["ALIGN", "RELEASE_BYTES", "BufferHeap", "anonymous_heap", "file_commit",
+           "region_bytes_for"]
 
 ALIGN = 64                  # every buffer starts on a cache line (and suits every dtype)
 PAGE_ALIGN_BYTES = 64 << 10  # buffers this large start on a page
@@ -72,8 +73,8 @@ class BufferHeap:
                  commit: Callable[[int, int], None] | None, healthy: Callable[[], bool],
                  shared_mapping: bool = False) -> None:
         if region_bytes <= 0 or region_bytes % _PAGE:
-            raise ValueError(f"buffer heap: expected a positive multiple of {_PAGE} bytes per rank, "
-                             f"got {region_bytes}")
+            raise ValueError(f"buffer heap: expected a positive multiple of {_PAGE} bytes "
+                             f"per rank, got {region_bytes}")
         self.memory: mmap.mmap | None = memory
         self.region_bytes = region_bytes
         self.rank = rank
@@ -93,8 +94,8 @@ class BufferHeap:
         self.closed = False
 
     def __repr__(self) -> str:
-        return (f"BufferHeap(rank {self.rank}/{self.world_size}, {self.region_bytes >> 20} MiB per rank, "
-                f"{self.live_bytes()} B live)")
+        return (f"BufferHeap(rank {self.rank}/{self.world_size}, {self.region_bytes >> 20} MiB per "
+                f"rank, {self.live_bytes()} B live)")
 
     # -- allocation ------------------------------------------------------------------------------
     def allocate(self, nbytes: int) -> torch.Tensor | None:
@@ -122,7 +123,8 @@ class BufferHeap:
             self._release(off)
             raise
         weakref.finalize(view, self._release, off)
-        return torch.frombuffer(view, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return (torch.frombuffer(view, dtype=torch.uint8) if nbytes
+                else torch.empty(0, dtype=torch.uint8))
 
     def _take(self, size: int, align: int) -> int:
         """First fit of ``size`` bytes at ``align`` in the free list; -1 if none (lock held)."""
@@ -153,7 +155,8 @@ class BufferHeap:
             self._punch(lo, hi)
 
     def _merge(self, off: int, size: int) -> tuple[int, int]:
-        """Insert a free block, merging neighbours; returns the merged block's bounds (lock held)."""
+        """Insert a free block, merging neighbours; returns the merged
+        block's bounds (lock held)."""
         k = bisect.bisect_left(self._free, (off, 0))
         lo, hi = off, off + size
         if k < len(self._free) and self._free[k][0] == hi:
@@ -208,7 +211,8 @@ class BufferHeap:
         self._views[key] = t
         return t
 
-    # -- lifecycle ----------------------------------------------------------------------------------
+    # -- lifecycle
+    # ----------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop allocating; unmap now if no buffer views the heap, else when the last one dies."""
         with self._lock:

@@ -2,7 +2,8 @@
 
 [Note: in-place collectives]
 When a tensor handed to ``all_reduce``, ``all_gather`` or ``reduce_scatter`` lives in this rank's
-region of the buffer heap ([Note: arena buffers]) and the message is larger than ``INPLACE_MIN_BYTES``,
+region of the buffer heap ([Note: arena buffers]) and the message is larger
+than ``INPLACE_MIN_BYTES``,
 nothing is copied into the arena's slots.  The first round (``s0``) publishes, beside the usual
 fingerprint, a *descriptor* in the slot header's word ``DESC``: the buffer's offset in the heap,
 plus one (0 means "an ordinary tensor").  After it every rank knows where every peer's data is.
@@ -56,7 +57,8 @@ if TYPE_CHECKING:
 __all__ = ["DESC", "INPLACE_CHUNK_BYTES", "INPLACE_MIN_BYTES", "InplaceCollectives", "fold_into"]
 
 DESC = 5                          # the slot-header word (int64) carrying the descriptor
-INPLACE_MIN_BYTES = 64 * 1024     # at or below the slot path is as fast (measured: 22 vs 26 us at 64 KiB)
+# at or below the slot path is as fast (measured: 22 vs 26 us at 64 KiB)
+INPLACE_MIN_BYTES = 64 * 1024
 INPLACE_CHUNK_BYTES = 1 << 20     # per rank and fold of all_reduce (cache blocking only, no round)
 _LINE = 64                        # blocks start on cache lines where the dtype allows
 _PLAN_CACHE_MAX = 64
@@ -171,7 +173,8 @@ class InplaceCollectives:
 
     def _abort_in_place(self, op: str, err: BaseException) -> None:
         """A rank leaving an in-place collective early aborts the group (see the module note)."""
-        self.arena.abort(f"rank {self.rank} left an in-place {op} early: {type(err).__name__}: {err}")
+        self.arena.abort(f"rank {self.rank} left an in-place {op} early: "
+                         f"{type(err).__name__}: {err}")
 
     # -- the collectives ---------------------------------------------------------------------------
     def _in_place(self, op: str, off: int, ctx: OpContext,
@@ -195,7 +198,8 @@ class InplaceCollectives:
     def _inplace_all_reduce(self, buf: torch.Tensor, red: Reduction, off: int,
                             ctx: OpContext) -> bool:
         """All-reduce a heap buffer in place; False when the peers did not all pass buffers (the
-        pre-scale, if any, is then already applied: the caller continues with ``red.completing()``)."""
+        pre-scale, if any, is then already applied: the caller continues with
+        ``red.completing()``)."""
         flat = buf.view(-1)
         if red.pre is not None:
             torch.mul(flat, red.pre, out=flat)
@@ -222,7 +226,8 @@ class InplaceCollectives:
                 t.copy_(mine)
 
     def _push_plan(self, flat: torch.Tensor, heap: BufferHeap,
-                   descs: list[int]) -> list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]:
+                   descs: list[int]) -> list[tuple[torch.Tensor, list[torch.Tensor],
+                                                   list[torch.Tensor]]]:
         """Per chunk: this rank's block, the blocks it folds, the peers' blocks it writes.  Kept
         per (size, offsets): training loops reduce the same buffers every step.  Views of the
         heap's mapping only (this rank's too), so a kept plan never keeps a buffer alive."""
@@ -266,13 +271,15 @@ class InplaceCollectives:
 
     def _inplace_reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, red: Reduction,
                                 in_off: int, ctx: OpContext) -> bool:
-        """Fold block ``rank`` of every peer's input buffer into ``out``; False as for all_reduce."""
+        """Fold block ``rank`` of every peer's input buffer into ``out``;
+        False as for all_reduce."""
         fi, fo = inp.view(-1), out.view(-1)
         me, N, whole = self.rank, fo.numel(), fi.numel()
         own = me if fo.data_ptr() == fi[me * N:].data_ptr() else -1
 
         def fold(heap: BufferHeap, descs: list[int]) -> None:
-            views = [fi if r == me else heap.view(r, descs[r], whole, fi.dtype) for r in self._ranks]
+            views = [fi if r == me else heap.view(r, descs[r], whole, fi.dtype)
+                     for r in self._ranks]
             scratch = self.arena.slot(me, 0, fo.dtype)
             piece = max(INPLACE_CHUNK_BYTES // fo.element_size(), 1)
             for lo, c in chunks(N, piece):     # pieces: a fold of n parts stays in cache

@@ -139,7 +139,8 @@ class Spinner:
     ``allowed`` is False when the job's ranks outnumber the CPUs: no spinning at all.  Otherwise
     a wait spins up to SPIN_MAX_S on a quiet machine and CONTENDED_SPIN_S on a busy one, as long
     as spinning pays: ``hits``, a running average of "ended while spinning" over the recent waits
-    that outlasted their QUICK_POLLS, stays above MIN_HITS.  Below it (the peer is usually far behind: waits last longer than any
+    that outlasted their QUICK_POLLS, stays above MIN_HITS.  Below it (the peer is usually far
+    behind: waits last longer than any
     spin) a wait spins only SPIN_MIN_S, which still catches a peer just about to post -- and
     those catches raise ``hits`` again when waits get short.
     """

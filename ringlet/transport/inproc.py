@@ -58,10 +58,10 @@ class InprocTransport(ArenaTransport):
         if found is None:
             owner = key.split(":", 1)[0]
             raise ValueError(
-                f"backend 'inproc' (rank {rank}): expected every rank to be a thread of one process "
-                f"(rank 0 is process {owner}, this rank is process {os.getpid()}); 'inproc' only serves "
-                "ranks started with ringlet.testing.run_threads. For processes on one host use "
-                "'shm' (or the default 'auto')")
+                f"backend 'inproc' (rank {rank}): expected every rank to be a thread of one "
+                f"process (rank 0 is process {owner}, this rank is process {os.getpid()}); "
+                "'inproc' only serves ranks started with ringlet.testing.run_threads. For "
+                "processes on one host use 'shm' (or the default 'auto')")
         memory, threads, heap = found
         with _lock:
             threads[rank] = threading.current_thread()

@@ -187,7 +187,8 @@ def _rendezvous(store, arena: Arena, path: str, timeout: float, group: str) -> N
     except DistStoreError:
         missing = [r for r in range(1, world_size) if not store.check([f"shm/attached/{r}"])]
         raise DistStoreError(f"group {group}: ranks {missing} never attached to the shared-memory "
-                             f"arena within {timeout:.1f} s", group=group, missing=missing) from None
+                             f"arena within {timeout:.1f} s",
+                             group=group, missing=missing) from None
     finally:
         _unlink_quietly(path)
     store.set("shm/ready", b"1")
@@ -200,7 +201,8 @@ def _file_size(layout: ArenaLayout, heap_bytes: int) -> int:
 def _create_segment(layout: ArenaLayout, group: str,
                     heap_bytes: int) -> tuple[mmap.mmap, str, int]:
     """The new segment's arena mapping, path and open descriptor (kept for the heap's commits)."""
-    sweep_stale(SHM_DIR)   # segments of creators killed before they could unlink ([Note: segment lifecycle])
+    # segments of creators killed before they could unlink ([Note: segment lifecycle])
+    sweep_stale(SHM_DIR)
     path = os.path.join(SHM_DIR, new_segment_name())
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(path, flags, 0o600)
@@ -222,7 +224,8 @@ def _attach_segment(name: str, layout: ArenaLayout, group: str,
                     heap_bytes: int) -> tuple[mmap.mmap, int]:
     """The arena mapping of an existing segment and its open descriptor."""
     if "/" in name or not name.startswith(SHM_PREFIX):
-        raise DistBackendError(f"group {group}: refusing shared-memory name {name!r} from the store")
+        raise DistBackendError(f"group {group}: refusing shared-memory name {name!r} from the "
+                               "store")
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:

@@ -41,7 +41,8 @@ __all__ = ["Peer", "build_mesh"]
 
 log = logging.getLogger("ringlet")
 
-HANDSHAKE_S = 5.0     # an accepted connection must finish its handshake within this (anti-slowloris)
+# an accepted connection must finish its handshake within this (anti-slowloris)
+HANDSHAKE_S = 5.0
 MAX_PENDING = 64      # connections in their handshake at once; a new one drops the oldest
 # A send buffer that holds a whole pipelining chunk or more lets a rank hand its next chunks to the
 # kernel while its peer is busy reducing, instead of waiting for autotuning to grow from 16 KiB
@@ -86,8 +87,9 @@ def _bind_listener(host: str, group: str) -> socket.socket:
     except OSError as e:
         sock.close()
         name = errno.errorcode.get(e.errno or 0, str(e.errno))
-        raise DistNetworkError(f"group {group}: tcp transport cannot listen on {host}: {name} ({e.strerror}); "
-                               "set RINGLET_IFNAME to the interface the hosts share", host=host) from None
+        raise DistNetworkError(f"group {group}: tcp transport cannot listen on "
+                               f"{host}: {name} ({e.strerror}); set RINGLET_IFNAME to "
+                               "the interface the hosts share", host=host) from None
     return sock
 
 
@@ -108,7 +110,8 @@ def build_mesh(store: Any, rank: int, world_size: int, timeout: float, group: st
         DistStoreError: a rank never published its address within ``timeout``.
     """
     deadline = time.monotonic() + timeout
-    if token is None:   # no run token: the store's host secret keys the handshake (docs/security.md)
+    # no run token: the store's host secret keys the handshake (docs/security.md)
+    if token is None:
         token = effective_token(store)
     listener = _bind_listener(host, group)
     socks: dict[tuple[int, int], socket.socket] = {}
@@ -123,14 +126,16 @@ def build_mesh(store: Any, rank: int, world_size: int, timeout: float, group: st
             store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
         except DistStoreError:
             missing = [r for r in range(world_size) if not store.check([f"tcp/addr/{r}"])]
-            raise DistStoreError(f"group {group}: ranks {missing} never published a tcp address within "
-                                 f"{timeout:.1f} s", group=group, missing=missing) from None
+            raise DistStoreError(f"group {group}: ranks {missing} never published a tcp "
+                                 f"address within {timeout:.1f} s",
+                                 group=group, missing=missing) from None
         infos = [json.loads(store.get(f"tcp/addr/{r}")) for r in range(world_size)]
         gid = store.get("tcp/gid")
         for r in range(rank):
             for ch in CHANNELS:
                 socks[(r, ch)] = _connect(infos[r], host, rank, r, ch, token, gid, deadline, group)
-        expected = {(r, ch): infos[r]["host"] for r in range(rank + 1, world_size) for ch in CHANNELS}
+        expected = {(r, ch): infos[r]["host"] for r in range(rank + 1, world_size)
+                    for ch in CHANNELS}
         socks.update(_accept_all(listener, rank, token, gid, expected, deadline, group))
     except BaseException:
         for s in socks.values():
@@ -144,7 +149,8 @@ def build_mesh(store: Any, rank: int, world_size: int, timeout: float, group: st
             info = infos[r]
             for ch in CHANNELS:
                 _tune(socks[(r, ch)])
-            peers[r] = Peer(r, info["host"], info["port"], info["pid"], info["hostname"], socks[(r, 0)])
+            peers[r] = Peer(r, info["host"], info["port"], info["pid"], info["hostname"],
+                            socks[(r, 0)])
     return peers
 
 
@@ -171,8 +177,9 @@ def _connect(info: dict[str, Any], my_host: str, me: int, target: int, channel: 
             last = e
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise DistNetworkError(f"group {group}: rank {me} could not connect to rank {target} at {where} "
-                                   f"(pid {info['pid']} on host {info['hostname']}): {last!r}",
+            raise DistNetworkError(f"group {group}: rank {me} could not connect to rank "
+                                   f"{target} at {where} (pid {info['pid']} on host "
+                                   f"{info['hostname']}): {last!r}",
                                    peer=target, address=where)
         time.sleep(min(delay, remaining))
         delay = min(delay * 2, 0.5)
@@ -237,8 +244,9 @@ class _Acceptor:
         missing = sorted({r for r, _ in self.expected})
         why = f"; refused: {'; '.join(self.refused[-3:])}" if self.refused else ""
         host, port = self.listener.getsockname()[:2]
-        return DistNetworkError(f"group {self.group}: ranks {missing} never connected to rank {self.me} at "
-                                f"{host}:{port} within the timeout{why}", missing=missing)
+        return DistNetworkError(f"group {self.group}: ranks {missing} never connected to rank "
+                                f"{self.me} at {host}:{port} within the timeout{why}",
+                                missing=missing)
 
     def _accept_batch(self) -> None:
         for _ in range(64):          # bounded; the selector reports the rest
@@ -250,7 +258,8 @@ class _Acceptor:
                 log.warning("group %s: rank %d could not accept: %s", self.group, self.me, e)
                 return
             if len(self.pending) >= MAX_PENDING:
-                self._drop(next(iter(self.pending.values())), "too many connections in their handshake")
+                self._drop(next(iter(self.pending.values())), "too many "
+                           "connections in their handshake")
             hello, nonce = accept_hello(self.me)
             sock.setblocking(False)
             p = _Pending(sock, addr[0], nonce, time.monotonic() + HANDSHAKE_S)
@@ -303,7 +312,8 @@ class _Acceptor:
             pass
         p.sock.close()
         if why is not None:
-            log.debug("group %s: rank %d dropped a connection from %s: %s", self.group, self.me, p.ip, why)
+            log.debug("group %s: rank %d dropped a connection from %s: %s",
+                      self.group, self.me, p.ip, why)
             self.refused.append(f"{p.ip}: {why}")
             del self.refused[:-8]
 
@@ -311,5 +321,6 @@ class _Acceptor:
 def _accept_all(listener: socket.socket, me: int, token: bytes | None, gid: bytes,
                 expected: dict[tuple[int, int], str], deadline: float,
                 group: str) -> dict[tuple[int, int], socket.socket]:
-    """Accept until every expected (rank, channel) connected; strangers are dropped (``_Acceptor``)."""
+    """Accept until every expected (rank, channel) connected; strangers are
+    dropped (``_Acceptor``)."""
     return _Acceptor(listener, me, token, gid, expected, group).run(deadline)

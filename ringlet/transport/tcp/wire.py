@@ -74,7 +74,8 @@ MAX_REASON = 4096             # bytes of an ABORT frame's reason that a receiver
 HS_MAGIC = b"RNGLTCP1"
 HS_VERSION = 1
 ACCEPT_HELLO = struct.Struct("!8sHi32s")          # magic, version, acceptor rank, nonce
-CONNECT_HELLO = struct.Struct("!8sHiiB32s32s")    # magic, version, claimed, target, channel, nonce, mac
+# magic, version, claimed, target, channel, nonce, mac
+CONNECT_HELLO = struct.Struct("!8sHiiB32s32s")
 HS_OK, HS_BAD_TOKEN, HS_BAD_RANK, HS_BAD_VERSION = 0, 1, 2, 3
 _REFUSALS = {HS_BAD_TOKEN: "a bad run token", HS_BAD_RANK: "a rank it did not expect",
              HS_BAD_VERSION: "another protocol version"}
@@ -103,7 +104,8 @@ def accept_hello(me: int) -> tuple[bytes, bytes]:
 
 
 def judge_connect_hello(raw: bytes, me: int, nonce: bytes, token: bytes | None, group_id: bytes,
-                        expected: dict[tuple[int, int], str], peer_ip: str) -> tuple[int, int, int, bytes]:
+                        expected: dict[tuple[int, int], str],
+                        peer_ip: str) -> tuple[int, int, int, bytes]:
     """Check a connector's fixed-size hello (pure: no I/O).
 
     Returns (status, claimed rank, channel, the reply to send).  A claim outside ``expected`` --
@@ -119,13 +121,15 @@ def judge_connect_hello(raw: bytes, me: int, nonce: bytes, token: bytes | None, 
     status = HS_OK
     if version != HS_VERSION:
         status = HS_BAD_VERSION
-    elif target != me or (claimed, channel) not in expected or expected[(claimed, channel)] != peer_ip:
+    elif (target != me or (claimed, channel) not in expected
+            or expected[(claimed, channel)] != peer_ip):
         status = HS_BAD_RANK
     elif not hmac.compare_digest(mac, _mac(token, b"c", nonce, group_id, claimed, me, channel)):
         status = HS_BAD_TOKEN
     if status != HS_OK:
         return status, claimed, channel, bytes([status]) + bytes(32)
-    return status, claimed, channel, bytes([HS_OK]) + _mac(token, b"a", cnonce, group_id, me, claimed, channel)
+    return status, claimed, channel, bytes([HS_OK]) + _mac(token, b"a", cnonce, group_id, me,
+                                                           claimed, channel)
 
 
 def refusal(status: int, claimed: int, channel: int, peer_ip: str) -> DistNetworkError:
@@ -144,7 +148,8 @@ def accept_handshake(sock: socket.socket, me: int, token: bytes | None, group_id
     sock.settimeout(max(deadline - time.monotonic(), 0.01))
     sock.sendall(hello)
     raw = recv_exact(sock, CONNECT_HELLO.size, deadline)
-    status, claimed, channel, reply = judge_connect_hello(raw, me, nonce, token, group_id, expected, peer_ip)
+    status, claimed, channel, reply = judge_connect_hello(raw, me, nonce, token, group_id, expected,
+                                                          peer_ip)
     sock.sendall(reply)
     if status != HS_OK:
         raise refusal(status, claimed, channel, peer_ip)
@@ -153,9 +158,11 @@ def accept_handshake(sock: socket.socket, me: int, token: bytes | None, group_id
 
 def connect_handshake(sock: socket.socket, me: int, target: int, channel: int, token: bytes | None,
                       group_id: bytes, deadline: float, where: str) -> None:
-    """Connector's half: prove the token, check the acceptor's proof.  Raises ``DistNetworkError``."""
+    """Connector's half: prove the token, check the acceptor's proof.  Raises
+    ``DistNetworkError``."""
     try:
-        magic, _version, acceptor, nonce = ACCEPT_HELLO.unpack(recv_exact(sock, ACCEPT_HELLO.size, deadline))
+        hello = recv_exact(sock, ACCEPT_HELLO.size, deadline)
+        magic, _version, acceptor, nonce = ACCEPT_HELLO.unpack(hello)
         if magic != HS_MAGIC or acceptor != target:
             raise DistNetworkError(f"the peer at {where} is not rank {target} of this group "
                                    f"(greeting {magic!r}, rank {acceptor})", peer=target)
@@ -169,11 +176,13 @@ def connect_handshake(sock: socket.socket, me: int, target: int, channel: int, t
                                peer=target) from None
     status, mac = reply[0], reply[1:]
     if status != HS_OK:
-        hint = " (is RINGLET_STORE_TOKEN[_FILE] the same on every host?)" if status == HS_BAD_TOKEN else ""
+        hint = (" (is RINGLET_STORE_TOKEN[_FILE] the same on every host?)" if status == HS_BAD_TOKEN
+                else "")
         raise DistNetworkError(f"rank {target} at {where} refused this rank's connection: "
                                f"{_REFUSALS.get(status, f'status {status}')}{hint}", peer=target)
     if not hmac.compare_digest(mac, _mac(token, b"a", cnonce, group_id, target, me, channel)):
-        raise DistNetworkError(f"rank {target} at {where} could not prove the run token; refusing it",
+        raise DistNetworkError(f"rank {target} at {where} could not prove "
+                               "the run token; refusing it",
                                peer=target)
 
 
@@ -193,8 +202,8 @@ def interface_address(name: str) -> str:
         try:
             raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
         except OSError as e:
-            raise ValueError(f"RINGLET_IFNAME: expected an interface with an IPv4 address, got {name!r} "
-                             f"({e.strerror})") from None
+            raise ValueError("RINGLET_IFNAME: expected an interface with an IPv4 address, "
+                             f"got {name!r} ({e.strerror})") from None
     return socket.inet_ntoa(raw[20:24])
 
 
