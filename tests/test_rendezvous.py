@@ -7,6 +7,7 @@ import threading
 from datetime import timedelta
 
 import pytest
+import torch
 
 import ringlet.distributed as dist
 from ringlet.c10d import world as _world
@@ -103,6 +104,12 @@ def test_file_init_method(tmp_path) -> None:
 def test_backend_names() -> None:
     assert dist.get_default_backend_for_device("cpu") == "gloo"
     assert dist.get_default_backend_for_device("cuda:0") == "nccl"
-    with pytest.raises(ValueError, match="nccl"):
-        dist.init_process_group("nccl", store=HashStore(), rank=0, world_size=1)
+    dist.init_process_group("nccl", store=HashStore(), rank=0, world_size=1)   # docs/gpu.md
+    try:
+        assert dist.get_backend() == "nccl"
+        t = torch.ones(2)
+        dist.all_reduce(t)              # CPU tensors run on ringlet's auto transport
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
     assert dist.is_available()

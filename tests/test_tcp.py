@@ -45,8 +45,7 @@ def test_backend_names() -> None:
     with pytest.raises(ValueError, match="cuda: expected 'nccl'"):
         _parse_backend("cpu:shm,cuda:gloo")
     assert _parse_backend("CPU:TCP") == "tcp"
-    with pytest.raises(ValueError, match="torch:nccl"):
-        _parse_backend("nccl")
+    assert _parse_backend("nccl") == "auto,cuda:nccl"      # CPU tensors on auto (docs/gpu.md)
     with pytest.raises(ValueError, match="expected one of"):
         _parse_backend("ucc")
     with pytest.raises(ValueError, match="device:backend"):

@@ -185,6 +185,9 @@ class Transport(abc.ABC):
     world_size: int
     devices: tuple[str, ...] = ("cpu",)   # device types whose tensors this transport serves
     subsets: bool = False                 # runs collectives over a subset of its ranks
+    # Device types whose calls only queue work on the caller's current stream and return without
+    # waiting for it (torch's NCCL): see [Note: CUDA streams] in ringlet/c10d/_cuda.py.
+    stream_ordered: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def all_reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, ctx: OpContext,

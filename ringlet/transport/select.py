@@ -11,12 +11,18 @@ Grammar (case-insensitive)::
     auto | shm | tcp | inproc          ringlet's own (auto: shm on one host, tcp across hosts,
                                        shm within each host + tcp among hosts otherwise)
     gloo | mpi | undefined             -> auto   (torch's CPU names run on ringlet's transports)
+    nccl                               -> auto,cuda:nccl   (CUDA tensors on torch's NCCL, CPU
+                                       tensors on auto: a superset of torch's "nccl")
     torch:gloo | torch:nccl            torch's own engines through the adapter
     <registered name>                  a transport registered with register_transport
     cpu:<name>,cuda:nccl               CPU tensors on <name>, CUDA tensors on torch's NCCL
     cpu:torch:gloo,cuda:torch:nccl     -> torch:gloo,nccl (both on torch's engines)
 
 Canonical names are what :func:`open_transport` takes (``auto,cuda:nccl`` for the split).
+
+Where CUDA is available, ringlet's own transports also serve CUDA tensors by staging them
+through host memory (``staging.py``), as torch's gloo does: ``"gloo"`` accepts CUDA tensors, and
+several ranks can share one GPU.  Without CUDA nothing is wrapped (no cost on CPU machines).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
+
+import torch
 
 from ringlet.errors import DistBackendError
 from ringlet.transport.base import Transport
@@ -103,7 +111,7 @@ def parse_backend(backend: str | None) -> str:
     """The canonical name of a ``backend`` string (grammar in the module docstring).
 
     Raises:
-        ValueError: an unknown name, a malformed per-device string, or plain ``nccl``.
+        ValueError: an unknown name or a malformed per-device string.
     """
     name = (backend or "auto").strip().lower()
     if "," in name or name.split(":", 1)[0] in ("cpu", "cuda"):
@@ -111,9 +119,7 @@ def parse_backend(backend: str | None) -> str:
     if name in TORCH_CPU_NAMES:
         return "auto"   # ringlet's own transports serve CPU tensors (docs/usage.md)
     if name == "nccl":
-        raise ValueError("init_process_group: backend 'nccl': ringlet's transports serve CPU tensors; "
-                         "'torch:nccl' selects torch's NCCL engine through the adapter (CUDA needed), "
-                         "'cpu:gloo,cuda:nccl' puts CPU tensors on ringlet and CUDA tensors on NCCL")
+        return f"auto{CUDA_NCCL}"   # NCCL is built at the first CUDA tensor (docs/gpu.md)
     if name in ("torch:gloo", "torch:nccl") or name in OURS or name in _registry:
         return name
     raise _bad_backend(backend)
@@ -165,6 +171,27 @@ def open_transport(spec: str, store: Any, rank: int, hosts: Sequence[str], timeo
     """
     if spec.endswith(CUDA_NCCL):
         return _open_split(spec.removesuffix(CUDA_NCCL), store, rank, hosts, timeout, desc)
+    transport, resolved = _open_one(spec, store, rank, hosts, timeout, desc)
+    if resolved in _OWN_RESOLVED and _cuda_available():
+        from ringlet.transport.split import DeviceSplitTransport
+        from ringlet.transport.staging import HostStagedTransport
+
+        main = transport
+        transport = DeviceSplitTransport(main, {"cuda": lambda: HostStagedTransport(main)},
+                                         f"{resolved},cuda:staged")
+    return transport, resolved
+
+
+_OWN_RESOLVED = ("shm", "inproc", "tcp", "shm+tcp")   # ringlet's CPU transports (staging.py)
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _open_one(spec: str, store: Any, rank: int, hosts: Sequence[str], timeout: float,
+              desc: str) -> tuple[Transport, str]:
+    """One transport for ``spec`` (not a per-device split), with no staging of device tensors."""
     resolved = resolve_auto(hosts) if spec == "auto" else spec
     n = len(hosts)
     if resolved == "shm":
@@ -199,7 +226,7 @@ def _open_split(base: str, store: Any, rank: int, hosts: Sequence[str], timeout:
     from ringlet.store import PrefixStore
     from ringlet.transport.split import DeviceSplitTransport
 
-    main, resolved = open_transport(base, store, rank, hosts, timeout, desc)
+    main, resolved = _open_one(base, store, rank, hosts, timeout, desc)
     cuda_store = PrefixStore("cuda", store)
     n = len(hosts)
 
@@ -208,7 +235,7 @@ def _open_split(base: str, store: Any, rank: int, hosts: Sequence[str], timeout:
 
         return TorchEngineTransport.create(cuda_store, rank, n, timeout, desc, "torch:nccl")
     name = f"{resolved},cuda:torch:nccl"
-    return DeviceSplitTransport(main, {"cuda": nccl}, name), name
+    return DeviceSplitTransport(main, {"cuda": nccl}, name, stream_ordered=("cuda",)), name
 
 
 def _open_registered(reg: _Registered, store: Any, rank: int, n: int, timeout: float,

@@ -35,8 +35,9 @@ class DeviceSplitTransport(Transport):
     """One transport per device type; ``lazy`` ones are built by their factory at first use."""
 
     def __init__(self, main: Transport, lazy: dict[str, Callable[[], Transport]],
-                 name: str) -> None:
+                 name: str, stream_ordered: tuple[str, ...] = ()) -> None:
         self.main = main
+        self.stream_ordered = tuple(stream_ordered)   # of the lazy ones (NCCL's "cuda")
         self._factories = dict(lazy)
         self._built: dict[str, Transport] = {d: main for d in main.devices}
         self._lock = threading.Lock()

@@ -21,6 +21,11 @@ does them (scale, sum, divide: the pre- and post-scale of [Note: reductions]), s
 neither.  Results are the engine's: bit-identical to torch's, not necessarily to ringlet's
 rank-order folds.  torch's errors become ringlet's (``CollectiveTimeoutError`` for its timeouts,
 ``DistBackendError`` otherwise; ``TypeError`` for a dtype or op the engine refuses).
+
+CUDA tensors are stream-ordered, as with torch's NCCL ([Note: CUDA streams] in
+``ringlet/c10d/_cuda.py``): a call queues the collective after the work on the current stream and
+makes that stream wait for its end, without blocking the host.  The group's timeout is then
+NCCL's own (its watchdog); a CPU engine's wait is bounded by the op's deadline.
 """
 
 from __future__ import annotations
@@ -105,6 +110,7 @@ class TorchEngineTransport(Transport):
         self.world_size = world_size
         self.pgs = pgs            # device type -> torch backend object
         self.devices = tuple(pgs)
+        self.stream_ordered = ("cuda",) if "cuda" in pgs else ()
         # The engines call back into these Python stores later (NCCL connects lazily, at the first
         # collective): torch's trampoline needs the Python objects alive: the transport keeps them.
         self._stores = stores
@@ -154,9 +160,12 @@ class TorchEngineTransport(Transport):
                              f"{sorted(self.pgs)} tensors, got a tensor on {t.device}")
         return pg
 
-    def _wait(self, work: Any, ctx: OpContext) -> None:
+    def _wait(self, work: Any, ctx: OpContext, stream_ordered: bool = False) -> None:
         try:
-            work.wait(timedelta(seconds=max(ctx.deadline - _now(), 0.001)))
+            if stream_ordered:
+                work.wait()      # the current stream waits; a timeout would block the host
+            else:
+                work.wait(timedelta(seconds=max(ctx.deadline - _now(), 0.001)))
         except RuntimeError as e:
             raise self._error(e, ctx) from None
 
@@ -176,12 +185,13 @@ class TorchEngineTransport(Transport):
             whole_group(self, ranks)
         return self._pg(t, ctx)
 
-    def _run(self, ctx: OpContext, call: Any) -> Any:
+    def _run(self, ctx: OpContext, call: Any, t: torch.Tensor | None = None) -> Any:
+        """Issue ``call()`` and wait for it: on the stream for a CUDA ``t``, on the host otherwise."""
         try:
             work = call()
         except RuntimeError as e:
             raise self._error(e, ctx) from None
-        self._wait(work, ctx)
+        self._wait(work, ctx, t is not None and t.is_cuda)
         return work
 
     # -- collectives ---------------------------------------------------------------------------
@@ -192,7 +202,7 @@ class TorchEngineTransport(Transport):
         red.contribute(buf, buf)
         opts = tdist.AllreduceOptions()
         opts.reduceOp = _OPS[red.fold]
-        self._run(ctx, lambda: pg.allreduce([buf], opts))
+        self._run(ctx, lambda: pg.allreduce([buf], opts), buf)
         red.finish_(buf)
 
     def reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, root: int,
@@ -204,7 +214,7 @@ class TorchEngineTransport(Transport):
         red.contribute(buf, src)
         opts = tdist.ReduceOptions()
         opts.reduceOp, opts.rootRank = _OPS[red.fold], root
-        self._run(ctx, lambda: pg.reduce([src], opts))
+        self._run(ctx, lambda: pg.reduce([src], opts), buf)
         if self.rank == root:
             buf.copy_(src)
             red.finish_(buf)
@@ -213,12 +223,12 @@ class TorchEngineTransport(Transport):
         pg = self._pg_all(buf, ctx, ranks)
         opts = tdist.BroadcastOptions()
         opts.rootRank = root
-        self._run(ctx, lambda: pg.broadcast([buf], opts))
+        self._run(ctx, lambda: pg.broadcast([buf], opts), buf)
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext,
                    ranks: Ranks = None) -> None:
         pg = self._pg_all(inp, ctx, ranks)
-        self._run(ctx, lambda: pg._allgather_base(out, inp))
+        self._run(ctx, lambda: pg._allgather_base(out, inp), inp)
 
     def gather(self, inp: torch.Tensor, out: torch.Tensor | None, root: int, ctx: OpContext,
                ranks: Ranks = None) -> None:
@@ -226,7 +236,7 @@ class TorchEngineTransport(Transport):
         opts = tdist.GatherOptions()
         opts.rootRank = root
         outs = [list(out.view(self.world_size, -1).unbind(0))] if out is not None else []
-        self._run(ctx, lambda: pg.gather(outs, [inp], opts))
+        self._run(ctx, lambda: pg.gather(outs, [inp], opts), inp)
 
     def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext,
                 ranks: Ranks = None) -> None:
@@ -234,7 +244,7 @@ class TorchEngineTransport(Transport):
         opts = tdist.ScatterOptions()
         opts.rootRank = root
         ins = [list(inp.view(self.world_size, -1).unbind(0))] if inp is not None else []
-        self._run(ctx, lambda: pg.scatter([out], ins, opts))
+        self._run(ctx, lambda: pg.scatter([out], ins, opts), out)
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: ReduceArg,
                        factor: float | None, ctx: OpContext, ranks: Ranks = None) -> None:
@@ -243,14 +253,14 @@ class TorchEngineTransport(Transport):
         src = red.contribution(inp)
         opts = tdist.ReduceScatterOptions()
         opts.reduceOp = _OPS[red.fold]
-        self._run(ctx, lambda: pg._reduce_scatter_base(out, src, opts))
+        self._run(ctx, lambda: pg._reduce_scatter_base(out, src, opts), out)
         red.finish_(out)
 
     def all_to_all(self, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
                    out_splits: list[int], ctx: OpContext, ranks: Ranks = None) -> None:
         pg = self._pg_all(inp, ctx, ranks)
         self._run(ctx, lambda: pg.alltoall_base(out, inp, list(out_splits), list(in_splits),
-                                                tdist.AllToAllOptions()))
+                                                tdist.AllToAllOptions()), inp)
 
     def barrier(self, ctx: OpContext, ranks: Ranks = None) -> None:
         if ranks is not None:
@@ -260,14 +270,14 @@ class TorchEngineTransport(Transport):
 
     def send(self, buf: torch.Tensor, dst: int, tag: int, ctx: OpContext) -> None:
         pg = self._pg(buf, ctx)
-        self._run(ctx, lambda: pg.send([buf], dst, tag))
+        self._run(ctx, lambda: pg.send([buf], dst, tag), buf)
 
     def recv(self, buf: torch.Tensor, src: int | None, tag: int, ctx: OpContext) -> int:
         pg = self._pg(buf, ctx)
         if src is None:
-            work = self._run(ctx, lambda: pg.recv_anysource([buf], tag))
+            work = self._run(ctx, lambda: pg.recv_anysource([buf], tag), buf)
             return int(work.source_rank())
-        self._run(ctx, lambda: pg.recv([buf], src, tag))
+        self._run(ctx, lambda: pg.recv([buf], src, tag), buf)
         return src
 
     # -- lifecycle -----------------------------------------------------------------------------
