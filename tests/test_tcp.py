@@ -14,6 +14,7 @@ import _tcp_workers
 import _workers
 import pytest
 import torch
+
 from ringlet.errors import DistNetworkError
 from ringlet.testing.procs import raise_first, run_world
 from ringlet.transport.arena import Arena, ArenaLayout, usable_cpus

@@ -82,7 +82,8 @@ def launch_p2p(pg: ProcessGroup, name: str, fn: Callable[[Work], None], peer: in
     def proved(work: Work) -> None:
         checks.reprove(result, name)
         fn(work)
-    return pg.run_p2p(proved, peer, direction, ctx, result)   # event: ctx.op, "send"/"recv" as torch
+    # event: ctx.op, "send"/"recv" as torch
+    return pg.run_p2p(proved, peer, direction, ctx, result)
 
 
 def _reproving(fn: Callable[[], None], result: Any, name: str) -> Callable[[], None]:

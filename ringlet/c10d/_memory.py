@@ -96,7 +96,8 @@ def _judge(ptr: int, nbytes: int) -> tuple[str, str]:
     if at < hi:
         return f"its memory at {at:#x} (up to {hi:#x}) is not mapped in this process", ""
     if _inside_bytes_object(ptr, nbytes, covering):
-        return "", "its memory belongs to an immutable Python bytes object (torch.frombuffer(bytes))"
+        return ("",
+                "its memory belongs to an immutable Python bytes object (torch.frombuffer(bytes))")
     return "", ""
 
 
@@ -111,7 +112,8 @@ def _past_end_of_file(path: str, start: int, off: int, used_end: int) -> bool:
     return off + (used_end - start) > last_page
 
 
-def _inside_bytes_object(ptr: int, nbytes: int, covering: list[tuple[int, int, str, int, str]]) -> bool:
+def _inside_bytes_object(ptr: int, nbytes: int,
+                         covering: list[tuple[int, int, str, int, str]]) -> bool:
     """Whether [ptr, ptr+nbytes) lies in the data of a live ``bytes`` object (see the note).
 
     Candidates: every 8-byte word up to ``_SCAN`` bytes before ``ptr`` that holds ``id(bytes)``
@@ -146,4 +148,5 @@ def _bytes_data_covers(obj: int, lo: int, hi: int, ptr: int, nbytes: int) -> boo
     data = obj + _BYTES_HDR
     if typ != id(bytes) or not 0 < refcnt < 1 << 32 or data + size >= hi:
         return False
-    return data <= ptr and ptr + nbytes <= data + size and ctypes.c_ubyte.from_address(data + size).value == 0
+    return (data <= ptr and ptr + nbytes <= data + size
+            and ctypes.c_ubyte.from_address(data + size).value == 0)

@@ -43,7 +43,8 @@ class Backend(str):
     TCP = "tcp"
     INPROC = "inproc"
 
-    backend_list: ClassVar[list[str]] = [UNDEFINED, GLOO, NCCL, XCCL, UCC, MPI, AUTO, SHM, TCP, INPROC]
+    backend_list: ClassVar[list[str]] = [UNDEFINED, GLOO, NCCL, XCCL, UCC, MPI, AUTO, SHM, TCP,
+                                         INPROC]
     default_device_backend_map: ClassVar[dict[str, str]] = {"cpu": GLOO, "cuda": NCCL}
     backend_capability: ClassVar[dict[str, list[str]]] = {
         GLOO: ["cpu", "cuda"], NCCL: ["cuda"], AUTO: ["cpu", "cuda"], SHM: ["cpu", "cuda"],

@@ -66,7 +66,8 @@ def comm_buffer(shape: Any, dtype: torch.dtype = torch.float32, group: Any = Non
     """
     dims = _shape(shape)
     if not isinstance(dtype, torch.dtype):
-        raise checks.fail(TypeError, "comm_buffer", "dtype", f"expected a torch.dtype, got {dtype!r}")
+        raise checks.fail(TypeError, "comm_buffer", "dtype",
+                          f"expected a torch.dtype, got {dtype!r}")
     pg = _call.resolve(group, "comm_buffer")
     numel = 1
     for d in dims:

@@ -39,8 +39,8 @@ from ringlet.transport.base import DTYPE_CODES
 from ringlet.transport.reduce import RedOpType, check_op_dtype
 
 __all__ = [
-    "Staged", "blocks", "contiguous_input", "op_dtype", "peer", "plain", "reduce_op", "reprove", "root",
-    "same_dtype", "split_sizes", "tag", "tensor", "tensor_list", "writable",
+    "Staged", "blocks", "contiguous_input", "op_dtype", "peer", "plain", "reduce_op", "reprove",
+    "root", "same_dtype", "split_sizes", "tag", "tensor", "tensor_list", "writable",
 ]
 
 _SUPPORTED = frozenset(DTYPE_CODES)
@@ -64,7 +64,8 @@ def fail(exc: type[Exception], op: str, arg: str, what: str) -> Exception:
 # -- tensors ------------------------------------------------------------------------------
 def tensor(t: Any, op: str, arg: str, devices: tuple[str, ...] = ("cpu",), *,
            out: bool = False) -> torch.Tensor:
-    """Prove ``t`` can be handed to a transport (see the note); ``out``: results are written into it.
+    """Prove ``t`` can be handed to a transport (see the note); ``out``:
+    results are written into it.
 
     Returns the tensor to communicate: ``t`` itself, or a plain-``Tensor`` alias of a
     harmless subclass (so that no ``__torch_function__`` runs inside a transport).
@@ -119,8 +120,9 @@ def _refuse_kind(t: torch.Tensor, op: str, arg: str) -> None:
     """Raise for a tensor that is not dense or whose dtype no transport carries."""
     if t.layout is not torch.strided or t.is_nested or t.is_quantized:
         raise _layout_error(t, op, arg)
-    raise fail(TypeError, op, arg, f"expected one of the dtypes a transport carries "
-               f"({', '.join(sorted(str(d).removeprefix('torch.') for d in _SUPPORTED))}), got {t.dtype}")
+    raise fail(TypeError, op, arg, "expected one of the dtypes a transport carries "
+               f"({', '.join(sorted(str(d).removeprefix('torch.') for d in _SUPPORTED))}), "
+               f"got {t.dtype}")
 
 
 def _layout_error(t: torch.Tensor, op: str, arg: str) -> Exception:
@@ -167,15 +169,15 @@ def _storage(t: torch.Tensor, op: str, arg: str, out: bool) -> None:
     st = t.untyped_storage()
     need = (t.storage_offset() + span) * t.element_size()
     if need > st.nbytes():
-        raise fail(ValueError, op, arg, f"expected a view inside its storage, got {_describe(t)} at "
-                   f"offset {t.storage_offset()} spanning {need} bytes of a storage of "
+        raise fail(ValueError, op, arg, f"expected a view inside its storage, got {_describe(t)} "
+                   f"at offset {t.storage_offset()} spanning {need} bytes of a storage of "
                    f"{st.nbytes()} bytes (resized after the view was made?)")
     if not st.resizable() and t.is_cpu:
         why = _memory.refusal(st, out)
         if why:
             role = "an output" if out else "an input"
-            raise fail(ValueError, op, arg, f"expected memory that can be {'written' if out else 'read'} "
-                       f"({role}), but {why}")
+            raise fail(ValueError, op, arg, "expected memory that can be "
+                       f"{'written' if out else 'read'} ({role}), but {why}")
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -213,13 +215,17 @@ def same_dtype(op: str, want: torch.dtype, ts: list[torch.Tensor], arg: str,
                like: str = "the input") -> None:
     for i, t in enumerate(ts):
         if t.dtype != want:
-            raise fail(TypeError, op, f"{arg}[{i}]", f"expected dtype {want} (like {like}), got {t.dtype}")
+            raise fail(TypeError, op, f"{arg}[{i}]",
+                       f"expected dtype {want} (like {like}), got {t.dtype}")
 
 
-def blocks(big: torch.Tensor, big_arg: str, small: torch.Tensor, small_arg: str, n: int, op: str) -> None:
-    """``big`` must hold ``n`` blocks shaped like ``small`` (all_gather_into_tensor, reduce_scatter_tensor)."""
+def blocks(big: torch.Tensor, big_arg: str, small: torch.Tensor, small_arg: str, n: int,
+           op: str) -> None:
+    """``big`` must hold ``n`` blocks shaped like ``small`` (all_gather_into_tensor,
+    reduce_scatter_tensor)."""
     if big.dtype != small.dtype:
-        raise fail(TypeError, op, big_arg, f"expected dtype {small.dtype} (like {small_arg}), got {big.dtype}")
+        raise fail(TypeError, op, big_arg, f"expected dtype {small.dtype} (like "
+                   f"{small_arg}), got {big.dtype}")
     if big.numel() != n * small.numel():
         raise fail(ValueError, op, big_arg, f"expected {n} x {small.numel()} = {n * small.numel()} "
                    f"elements (world size x {small_arg}), got {big.numel()}")
@@ -247,10 +253,11 @@ def reprove(ts: list[Any], op: str) -> None:
     for i, t in enumerate(ts):
         if isinstance(t, torch.Tensor) and t.numel():
             st = t.untyped_storage()
-            if t.data_ptr() == 0 or (t.storage_offset() + _extent(t)) * t.element_size() > st.nbytes():
-                raise fail(ValueError, op, f"tensor {i}", f"expected its storage to stay allocated "
-                           f"until the op ran, but {_describe(t)} was resized to {st.nbytes()} bytes "
-                           "(wait for the Work before freeing or resizing its tensors)")
+            if (t.data_ptr() == 0
+                    or (t.storage_offset() + _extent(t)) * t.element_size() > st.nbytes()):
+                raise fail(ValueError, op, f"tensor {i}", "expected its storage to stay allocated "
+                           f"until the op ran, but {_describe(t)} was resized to {st.nbytes()} "
+                           "bytes (wait for the Work before freeing or resizing its tensors)")
 
 
 class Staged:
@@ -282,7 +289,8 @@ def reduce_op(op: Any, name: str) -> tuple[RedOpType, float | None]:
 
 
 def op_dtype(red: RedOpType, dtype: torch.dtype, name: str) -> None:
-    """``check_op_dtype`` (an operator that makes no sense on ``dtype``), naming rank and argument."""
+    """``check_op_dtype`` (an operator that makes no sense on ``dtype``),
+    naming rank and argument."""
     try:
         check_op_dtype(red, dtype, name)
     except (TypeError, ValueError) as e:
@@ -305,7 +313,8 @@ def root(r: Any, size: int, op: str, arg: str) -> int:
 
 
 def peer(pg: Any, global_rank: Any, group_rank: Any, op: str, arg: str) -> int:
-    """Group rank of a root/peer given either torch's global ``src``/``dst`` or ``group_src``/``group_dst``."""
+    """Group rank of a root/peer given either torch's global ``src``/``dst`` or
+    ``group_src``/``group_dst``."""
     if global_rank is not None and group_rank is not None:
         raise fail(ValueError, op, arg, f"expected either {arg} or group_{arg}, got both")
     if group_rank is not None:
@@ -317,7 +326,8 @@ def peer(pg: Any, global_rank: Any, group_rank: Any, op: str, arg: str) -> int:
     v = _int(global_rank)
     ranks = pg.ranks
     if v is None or v not in ranks:
-        raise fail(ValueError, op, arg, f"expected a global rank of the group {ranks}, got {global_rank!r}")
+        raise fail(ValueError, op, arg, "expected a global rank of the group "
+                   f"{ranks}, got {global_rank!r}")
     return ranks.index(v)
 
 

@@ -31,7 +31,8 @@ from ringlet.transport.reduce import RedOpType
 
 __all__ = ["_CoalescingManager", "_coalescing_manager", "held_by", "try_hold"]
 
-_open: contextvars.ContextVar[tuple[_Coalescer, ...]] = contextvars.ContextVar("ringlet_coalescing", default=())
+_open: contextvars.ContextVar[tuple[_Coalescer, ...]] = contextvars.ContextVar("ringlet_coalescing",
+                                                                               default=())
 
 
 class _CoalescingManager:
@@ -61,8 +62,8 @@ class _Deferred(Work):
 
     def wait(self, timeout: Any = None) -> bool:
         if self._target is None:
-            raise RuntimeError(f"{self._op}: wait() inside its _coalescing_manager block: the op is "
-                               "issued when the block ends; wait after it")
+            raise RuntimeError(f"{self._op}: wait() inside its _coalescing_manager block: the op "
+                               "is issued when the block ends; wait after it")
         return self._target.wait(timeout)
 
     def is_completed(self) -> bool:

@@ -60,8 +60,10 @@ __all__ = [
 ]
 
 
-def peer_rank(pg: ProcessGroup, global_rank: int | None, group_rank: int | None, op: str, arg: str) -> int:
-    """Group rank of a root/peer given either torch's global ``src``/``dst`` or ``group_src``/``group_dst``."""
+def peer_rank(pg: ProcessGroup, global_rank: int | None, group_rank: int | None, op: str,
+              arg: str) -> int:
+    """Group rank of a root/peer given either torch's global ``src``/``dst`` or
+    ``group_src``/``group_dst``."""
     return checks.peer(pg, global_rank, group_rank, op, arg)
 
 
@@ -75,7 +77,8 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     pg = _call.resolve(group, "all_reduce", holdable=True)
     if pg is None:
         return None
-    if getattr(tensor, "layout", None) is torch.sparse_coo:    # gloo's sparse SUM (ringlet.c10d.sparse)
+    # gloo's sparse SUM (ringlet.c10d.sparse)
+    if getattr(tensor, "layout", None) is torch.sparse_coo:
         return sparse.all_reduce(pg, tensor, op, async_op)
     t = checks.tensor(tensor, "all_reduce", "tensor", pg.transport.devices, out=True)
     red, factor = checks.reduce_op(op, "all_reduce")
@@ -119,8 +122,8 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
     return _call.launch(pg, "reduce", fn, ctx, [t], async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, async_op: bool = False,
-              group_src: int | None = None) -> Work | None:
+def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,
+              async_op: bool = False, group_src: int | None = None) -> Work | None:
     """Copy ``src``'s ``tensor`` into every rank's ``tensor``."""
     pg = _call.resolve(group, "broadcast")
     if pg is None:
@@ -142,9 +145,10 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
     return _call.launch(pg, "broadcast", fn, ctx, [t], async_op)
 
 
-def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
-                           async_op: bool = False) -> Work | None:
-    """Gather every rank's ``input_tensor`` into ``output_tensor`` (concatenated or stacked on dim 0)."""
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                           group: Any = None, async_op: bool = False) -> Work | None:
+    """Gather every rank's ``input_tensor`` into ``output_tensor`` (concatenated
+    or stacked on dim 0)."""
     op = "all_gather_into_tensor"
     pg = _call.resolve(group, op, holdable=True)
     if pg is None:
@@ -168,7 +172,8 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
                           group: Any = None, async_op: bool = False) -> Work | None:
-    """Reduce ``input`` (``size`` blocks) across ranks; block ``r`` lands in rank ``r``'s ``output``."""
+    """Reduce ``input`` (``size`` blocks) across ranks; block ``r`` lands in
+    rank ``r``'s ``output``."""
     name = "reduce_scatter_tensor"
     pg = _call.resolve(group, name, holdable=True)
     if pg is None:
@@ -196,14 +201,16 @@ def _all_gather_base(output_tensor: torch.Tensor, input_tensor: torch.Tensor, gr
 def _reduce_scatter_base(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
                          group: Any = None, async_op: bool = False) -> Work | None:
     """Deprecated name of :func:`reduce_scatter_tensor` (still called by published code)."""
-    warnings.warn("ringlet.distributed._reduce_scatter_base is deprecated; use reduce_scatter_tensor",
+    warnings.warn("ringlet.distributed._reduce_scatter_base is "
+                  "deprecated; use reduce_scatter_tensor",
                   FutureWarning, stacklevel=2)
     return reduce_scatter_tensor(output, input, op, group, async_op)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
-                      output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None,
-                      group: Any = None, async_op: bool = False) -> Work | None:
+                      output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group: Any = None,
+                      async_op: bool = False) -> Work | None:
     """Split ``input`` along dim 0 (evenly, or by ``input_split_sizes``) and exchange the pieces."""
     name = "all_to_all_single"
     pg = _call.resolve(group, name)
@@ -212,7 +219,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     out = checks.tensor(output, name, "output", pg.transport.devices, out=True)
     inp = checks.tensor(input, name, "input", pg.transport.devices)
     if out.dtype != inp.dtype:
-        raise checks.fail(TypeError, name, "output", f"expected dtype {inp.dtype} (like input), got {out.dtype}")
+        raise checks.fail(TypeError, name, "output",
+                          f"expected dtype {inp.dtype} (like input), got {out.dtype}")
     n = pg.size()
     in_rows = checks.split_sizes(input_split_sizes, n, _rows(inp), name, "input_split_sizes")
     out_rows = checks.split_sizes(output_split_sizes, n, _rows(out), name, "output_split_sizes")
@@ -249,9 +257,11 @@ def _seconds(timeout: Any, op: str) -> float | None:
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         seconds = float(timeout)
     else:
-        raise checks.fail(TypeError, op, "timeout", f"expected a datetime.timedelta, got {timeout!r}")
+        raise checks.fail(TypeError, op, "timeout",
+                          f"expected a datetime.timedelta, got {timeout!r}")
     if not seconds > 0:
-        raise checks.fail(ValueError, op, "timeout", f"expected a positive duration, got {timeout!r}")
+        raise checks.fail(ValueError, op, "timeout",
+                          f"expected a positive duration, got {timeout!r}")
     return seconds
 
 
@@ -278,7 +288,8 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None,
         return None
     if device_ids is not None and (not isinstance(device_ids, (list, tuple))
                                    or any(checks._int(d) is None or d < 0 for d in device_ids)):
-        raise checks.fail(TypeError, "barrier", "device_ids", f"expected a list of device indices, got {device_ids!r}")
+        raise checks.fail(TypeError, "barrier", "device_ids",
+                          f"expected a list of device indices, got {device_ids!r}")
     seconds = _seconds(timeout, "barrier")
     ctx = pg.context("barrier")
     if seconds is not None:
@@ -298,7 +309,8 @@ def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bo
     if pg is None:
         return
     zero = timeout == 0 or isinstance(timeout, timedelta) and not timeout  # torch: fail at once
-    seconds = 0.0 if zero and not isinstance(timeout, bool) else _seconds(timeout, "monitored_barrier")
+    seconds = (0.0 if zero and not isinstance(timeout, bool)
+               else _seconds(timeout, "monitored_barrier"))
     ctx = pg.context("monitored_barrier")
     if seconds is not None:
         ctx.timeout = seconds

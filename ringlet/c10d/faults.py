@@ -50,7 +50,8 @@ class Fault:
         elif self.action == "sleep":
             time.sleep(self.arg)
         elif self.action == "raise":
-            raise RuntimeError(f"RINGLET_FAULT: injected error on rank {self.rank} at {ctx.op} #{ctx.seq}")
+            raise RuntimeError("RINGLET_FAULT: injected error on rank "
+                               f"{self.rank} at {ctx.op} #{ctx.seq}")
 
 
 def parse(spec: str) -> list[Fault]:
@@ -64,10 +65,11 @@ def parse(spec: str) -> list[Fault]:
             action, _, arg = fields["do"].partition(":")
             if action not in _ACTIONS:
                 raise ValueError
-            faults.append(Fault(int(fields["rank"]), int(at.split("=", 1)[1]), action, float(arg or 0)))
+            faults.append(Fault(int(fields["rank"]), int(at.split("=", 1)[1]), action,
+                                float(arg or 0)))
         except (KeyError, ValueError):
-            raise ValueError(f"RINGLET_FAULT: expected 'rank=R;at=collective:seq=N;do=ACTION' with ACTION "
-                             f"in {_ACTIONS}, got {part!r}") from None
+            raise ValueError("RINGLET_FAULT: expected 'rank=R;at=collective:seq=N;do=ACTION' with "
+                             f"ACTION in {_ACTIONS}, got {part!r}") from None
     return faults
 
 

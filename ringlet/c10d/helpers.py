@@ -41,8 +41,8 @@ def get_node_local_rank(fallback_rank: int | None = None) -> int:
             raise ValueError(f"LOCAL_RANK: expected an integer, got {raw!r}") from None
     if fallback_rank is not None:
         return int(fallback_rank)
-    raise RuntimeError("get_node_local_rank: LOCAL_RANK is not set (start with ringlet-run or torchrun) "
-                       "and no fallback_rank was given")
+    raise RuntimeError("get_node_local_rank: LOCAL_RANK is not set (start with ringlet-run or "
+                       "torchrun) and no fallback_rank was given")
 
 
 class _Pdb(pdb.Pdb):

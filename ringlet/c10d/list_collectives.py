@@ -44,8 +44,8 @@ def _unflatten(flat: torch.Tensor, outs: list[torch.Tensor], off: int = 0) -> No
 def _same_numel(op: str, arg: str, ts: list[torch.Tensor], want: int, like: str) -> None:
     for i, t in enumerate(ts):
         if t.numel() != want:
-            raise checks.fail(ValueError, op, f"{arg}[{i}]", f"expected {want} elements (like {like}), "
-                              f"got {t.numel()}")
+            raise checks.fail(ValueError, op, f"{arg}[{i}]", f"expected {want} elements "
+                              f"(like {like}), got {t.numel()}")
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = ReduceOp.SUM, group: Any = None,
@@ -82,8 +82,8 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
         return None
     devices = pg.transport.devices
     inp = checks.tensor(tensor, "all_gather", "tensor", devices)
-    outs = checks.tensor_list(tensor_list, "all_gather", "tensor_list", pg.size(), devices, out=True,
-                              dtype=inp.dtype, like="tensor")
+    outs = checks.tensor_list(tensor_list, "all_gather", "tensor_list", pg.size(), devices,
+                              out=True, dtype=inp.dtype, like="tensor")
     me = pg.rank()
     if outs[me].numel() != inp.numel():
         raise checks.fail(ValueError, "all_gather", f"tensor_list[{me}]", f"expected {inp.numel()} "
@@ -118,8 +118,9 @@ def _uneven_all_gather(pg: ProcessGroup, outs: list[torch.Tensor], inp: torch.Te
     return works[-1] if async_op else None
 
 
-def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_tensor_list: list[torch.Tensor],
-                         group: Any = None, async_op: bool = False) -> Work | None:
+def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]],
+                         input_tensor_list: list[torch.Tensor], group: Any = None,
+                         async_op: bool = False) -> Work | None:
     """``all_gather`` of several tensors at once (one flat exchange)."""
     name = "all_gather_coalesced"
     pg = _call.resolve(group, name)
@@ -131,16 +132,17 @@ def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_te
     if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != pg.size():
         got = len(output_tensor_lists) if isinstance(output_tensor_lists, (list, tuple)) else \
             type(output_tensor_lists).__name__
-        raise checks.fail(ValueError, name, "output_tensor_lists", f"expected {pg.size()} lists (one per "
-                          f"rank), got {got}")
+        raise checks.fail(ValueError, name, "output_tensor_lists", f"expected {pg.size()} lists "
+                          f"(one per rank), got {got}")
     outs = []
     for r, lst in enumerate(output_tensor_lists):
         o = checks.tensor_list(lst, name, f"output_tensor_lists[{r}]", len(ins), devices, out=True,
                                dtype=ins[0].dtype, like="input_tensor_list")
         for i, (a, b) in enumerate(zip(o, ins)):
             if a.numel() != b.numel():
-                raise checks.fail(ValueError, name, f"output_tensor_lists[{r}][{i}]", f"expected "
-                                  f"{b.numel()} elements (like input_tensor_list[{i}]), got {a.numel()}")
+                raise checks.fail(ValueError, name, f"output_tensor_lists[{r}][{i}]", "expected "
+                                  f"{b.numel()} elements (like "
+                                  f"input_tensor_list[{i}]), got {a.numel()}")
         outs.append(o)
     flat_in = _flat(ins)
     n = flat_in.numel()
@@ -161,8 +163,8 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any
     if pg is None:
         return None
     out = checks.tensor(output, "reduce_scatter", "output", pg.transport.devices, out=True)
-    ins = checks.tensor_list(input_list, "reduce_scatter", "input_list", pg.size(), pg.transport.devices,
-                             dtype=out.dtype, like="output")
+    ins = checks.tensor_list(input_list, "reduce_scatter", "input_list", pg.size(),
+                             pg.transport.devices, dtype=out.dtype, like="output")
     _same_numel("reduce_scatter", "input_list", ins, out.numel(), "output")
     red, factor = checks.reduce_op(op, "reduce_scatter")
     checks.op_dtype(red, out.dtype, "reduce_scatter")
@@ -184,15 +186,16 @@ def reduce_scatter_into(pg: ProcessGroup, name: str, out: torch.Tensor, inp: tor
 
 def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
                group: Any = None, async_op: bool = False) -> Work | None:
-    """Send ``input_tensor_list[j]`` to rank ``j``; receive rank ``i``'s into ``output_tensor_list[i]``."""
+    """Send ``input_tensor_list[j]`` to rank ``j``; receive rank ``i``'s into
+    ``output_tensor_list[i]``."""
     pg = _call.resolve(group, "all_to_all")
     if pg is None:
         return None
     n, devices = pg.size(), pg.transport.devices
     ins = checks.tensor_list(input_tensor_list, "all_to_all", "input_tensor_list", n, devices)
     checks.same_dtype("all_to_all", ins[0].dtype, ins, "input_tensor_list", "input_tensor_list[0]")
-    outs = checks.tensor_list(output_tensor_list, "all_to_all", "output_tensor_list", n, devices, out=True,
-                              dtype=ins[0].dtype, like="input_tensor_list[0]")
+    outs = checks.tensor_list(output_tensor_list, "all_to_all", "output_tensor_list", n, devices,
+                              out=True, dtype=ins[0].dtype, like="input_tensor_list[0]")
     flat_in = _flat(ins)
     flat_out = torch.empty(sum(o.numel() for o in outs), dtype=ins[0].dtype, device=ins[0].device)
     in_b = [t.numel() * t.element_size() for t in ins]
@@ -200,13 +203,15 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     ctx = pg.context("all_to_all", dtype=ins[0].dtype, numel=0)
 
     def fn() -> None:
-        pg.transport.all_to_all(flat_in.view(torch.uint8), in_b, flat_out.view(torch.uint8), out_b, ctx)
+        pg.transport.all_to_all(flat_in.view(torch.uint8), in_b, flat_out.view(torch.uint8), out_b,
+                                ctx)
         _unflatten(flat_out, outs)
     return _call.launch(pg, "all_to_all", fn, ctx, outs, async_op, inputs=ins)
 
 
-def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int | None = None,
-           group: Any = None, async_op: bool = False, group_dst: int | None = None) -> Work | None:
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
+           dst: int | None = None, group: Any = None, async_op: bool = False,
+           group_dst: int | None = None) -> Work | None:
     """Gather every rank's ``tensor`` into ``gather_list`` on ``dst``."""
     pg = _call.resolve(group, "gather")
     if pg is None:
@@ -215,14 +220,16 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     root = checks.peer(pg, dst, group_dst, "gather", "dst")
     outs: list[torch.Tensor] | None = None
     if pg.rank() == root:
-        outs = checks.tensor_list(gather_list, "gather", "gather_list", pg.size(), pg.transport.devices,
-                                  out=True, dtype=inp.dtype, like="tensor")
+        outs = checks.tensor_list(gather_list, "gather", "gather_list", pg.size(),
+                                  pg.transport.devices, out=True, dtype=inp.dtype, like="tensor")
         _same_numel("gather", "gather_list", outs, inp.numel(), "tensor")
     elif gather_list:
-        raise checks.fail(ValueError, "gather", "gather_list", "expected None on non-destination ranks, got a list")
+        raise checks.fail(ValueError, "gather", "gather_list",
+                          "expected None on non-destination ranks, got a list")
     ctx = pg.context("gather", dtype=inp.dtype, numel=inp.numel(), root=root)
     src = checks.contiguous_input(inp)
-    flat = torch.empty(pg.size() * inp.numel(), dtype=inp.dtype, device=inp.device) if outs is not None else None
+    flat = (torch.empty(pg.size() * inp.numel(), dtype=inp.dtype, device=inp.device)
+            if outs is not None else None)
 
     def fn() -> None:
         pg.transport.gather(src, flat, root, ctx)
@@ -231,8 +238,9 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     return _call.launch(pg, "gather", fn, ctx, outs or [], async_op)
 
 
-def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int | None = None,
-            group: Any = None, async_op: bool = False, group_src: int | None = None) -> Work | None:
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None,
+            src: int | None = None, group: Any = None, async_op: bool = False,
+            group_src: int | None = None) -> Work | None:
     """Send ``scatter_list[r]`` from ``src`` to rank ``r``'s ``tensor``."""
     pg = _call.resolve(group, "scatter")
     if pg is None:
@@ -241,12 +249,13 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     root = checks.peer(pg, src, group_src, "scatter", "src")
     flat = None
     if pg.rank() == root:
-        ins = checks.tensor_list(scatter_list, "scatter", "scatter_list", pg.size(), pg.transport.devices,
-                                 dtype=out.dtype, like="tensor")
+        ins = checks.tensor_list(scatter_list, "scatter", "scatter_list", pg.size(),
+                                 pg.transport.devices, dtype=out.dtype, like="tensor")
         _same_numel("scatter", "scatter_list", ins, out.numel(), "tensor")
         flat = _flat(ins)
     elif scatter_list:
-        raise checks.fail(ValueError, "scatter", "scatter_list", "expected None on non-source ranks, got a list")
+        raise checks.fail(ValueError, "scatter", "scatter_list",
+                          "expected None on non-source ranks, got a list")
     ctx = pg.context("scatter", dtype=out.dtype, numel=out.numel(), root=root)
     st = checks.Staged(out)
 

@@ -81,8 +81,8 @@ def _refused(rank: int, op: str, why: str) -> pickle.UnpicklingError:
 def _why_refused(err: BaseException) -> str:
     """The useful part of the restricted unpickler's error: the callable or opcode it refused."""
     text = " ".join(ln.strip() for ln in str(err).splitlines() if ln.strip())
-    m = re.search(r"(WeightsUnpickler error: |Trying to load )(.*?)(\.? Please use|\.? Check the documentation|$)",
-                  text)
+    m = re.search(r"(WeightsUnpickler error: |Trying to load )(.*?)(\.? Please use|\.? Check the "
+                  r"documentation|$)", text)
     detail = (m.group(2) if m else text).strip()
     op = re.search(r"Unsupported operand (\d+)", detail)
     if op and chr(int(op.group(1))) in pickletools.code2op:
@@ -95,13 +95,15 @@ _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRI
 
 
 def _py3_name(module: str, name: str) -> str:
-    """``module.name`` as Python 3 spells it (protocol 2 pickles use Python 2 names: ``__builtin__``)."""
+    """``module.name`` as Python 3 spells it (protocol 2 pickles use Python 2
+    names: ``__builtin__``)."""
     module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
     return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
 
 
 def _named_callables(pickle_bytes: bytes, limit: int = 8) -> list[str]:
-    """The globals a pickle names (GLOBAL, INST, STACK_GLOBAL), found by parsing it, never running it."""
+    """The globals a pickle names (GLOBAL, INST, STACK_GLOBAL), found by parsing
+    it, never running it."""
     names: list[str] = []
     strings: list[str] = []
     try:
@@ -121,7 +123,8 @@ def _named_callables(pickle_bytes: bytes, limit: int = 8) -> list[str]:
 
 
 def _archive_pickle(archive: bytes) -> bytes:
-    """The ``data.pkl`` record of a torch.save archive (zipfile only reads; nothing is unpickled)."""
+    """The ``data.pkl`` record of a torch.save archive (zipfile only reads;
+    nothing is unpickled)."""
     import zipfile
 
     try:
@@ -139,7 +142,8 @@ def _with_names(why: str, pickle_bytes: bytes) -> str:
 
 def _decode_safe(body: bytes, rank: int, op: str) -> Any:
     if body[:4] != _ZIP:
-        raise _refused(rank, op, _with_names("expected a torch.save archive, got other bytes", body))
+        raise _refused(rank, op, _with_names("expected a torch.save archive, got other bytes",
+                                             body))
     try:
         # weights_only=True passed explicitly: no environment variable can turn it off.
         return torch.load(io.BytesIO(body), weights_only=True, mmap=False)
@@ -150,13 +154,14 @@ def _decode_safe(body: bytes, rank: int, op: str) -> Any:
 def _decode(data: bytes, rank: int, op: str) -> Any:
     head, body = data[:4], data[4:]
     if head not in (MAGIC, SAFE_MAGIC):
-        raise ValueError(f"{op}: the object from rank {rank} has an unknown header {head!r} (expected "
-                         f"{MAGIC!r} or {SAFE_MAGIC!r}: a different ringlet version?)")
+        raise ValueError(f"{op}: the object from rank {rank} has an unknown header {head!r} "
+                         f"(expected {MAGIC!r} or {SAFE_MAGIC!r}: a different ringlet version?)")
     if _env.safe_objects():
         if head != SAFE_MAGIC:
-            raise _refused(rank, op, _with_names("it is a plain pickle (set RINGLET_SAFE_OBJECTS=1 on "
-                                                 "every rank, so that every sender writes the "
-                                                 "restricted format)", body))
+            raise _refused(rank, op, _with_names("it is a plain pickle (set "
+                                                 "RINGLET_SAFE_OBJECTS=1 on every rank, so that "
+                                                 "every sender writes the restricted format)",
+                                                 body))
         return _decode_safe(body, rank, op)
     if head == SAFE_MAGIC:      # a restricted-mode sender; this rank trusts its peers
         return torch.load(io.BytesIO(body), weights_only=False, mmap=False)
@@ -165,7 +170,8 @@ def _decode(data: bytes, rank: int, op: str) -> Any:
 
 def _size_check(size: int, rank: int, op: str) -> None:
     if size == _FAILED:
-        raise RuntimeError(f"{op}: rank {rank} failed to serialize its object (see that rank's error)")
+        raise RuntimeError(f"{op}: rank {rank} failed to serialize its "
+                           "object (see that rank's error)")
     if not 0 <= size <= MAX_OBJECT_BYTES:
         raise ValueError(f"{op}: rank {rank} announced an object of {size} bytes; the limit is "
                          f"{MAX_OBJECT_BYTES} (refused before allocating)")
@@ -187,7 +193,8 @@ def _exchange_sizes(pg: Any, obj: Any, data: bytes | None, op: str) -> list[int]
     """Every rank's payload size (or the failure marker), checked before anything is allocated;
     this rank re-raises its own pickling error after the exchange, so peers never wait for it."""
     sizes = torch.zeros(pg.size(), dtype=torch.int64)
-    C.all_gather_into_tensor(sizes, torch.tensor([len(data) if data is not None else _FAILED]), group=pg)
+    C.all_gather_into_tensor(sizes, torch.tensor([len(data) if data is not None else _FAILED]),
+                             group=pg)
     out = sizes.tolist()
     if data is None:
         _raise_own(obj, op)
@@ -203,14 +210,16 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
         return
     n = pg.size()
     if len(object_list) != n:
-        raise ValueError(f"all_gather_object: object_list: expected {n} entries, got {len(object_list)}")
+        raise ValueError(f"all_gather_object: object_list: expected {n} "
+                         f"entries, got {len(object_list)}")
     data = _encode(obj)
     sizes = _exchange_sizes(pg, obj, data, "all_gather_object")
     width = max(sizes)
     out = torch.empty(n * width, dtype=torch.uint8)
     C.all_gather_into_tensor(out, _as_tensor(data, width), group=pg)
     for r, s in enumerate(sizes):
-        object_list[r] = _decode(out[r * width:r * width + s].numpy().tobytes(), pg.ranks[r], "all_gather_object")
+        object_list[r] = _decode(out[r * width:r * width + s].numpy().tobytes(), pg.ranks[r],
+                                 "all_gather_object")
 
 
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
@@ -222,7 +231,8 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     root = C.peer_rank(pg, dst, group_dst, "gather", "dst")
     n = pg.size()
     if pg.rank() == root and (object_gather_list is None or len(object_gather_list) != n):
-        raise ValueError(f"gather_object: object_gather_list: expected a list of {n} entries on the destination")
+        raise ValueError(f"gather_object: object_gather_list: expected a list of {n} "
+                         "entries on the destination")
     # Sizes go to every rank so that a serialization failure is reported everywhere.
     data = _encode(obj)
     sizes = _exchange_sizes(pg, obj, data, "gather_object")
@@ -232,7 +242,8 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     C.gather(_as_tensor(data, width), outs, group=pg, group_dst=root)
     if outs is not None and object_gather_list is not None:
         for r, s in enumerate(sizes):
-            object_gather_list[r] = _decode(outs[r][:s].numpy().tobytes(), pg.ranks[r], "gather_object")
+            object_gather_list[r] = _decode(outs[r][:s].numpy().tobytes(), pg.ranks[r],
+                                            "gather_object")
 
 
 def broadcast_object_list(object_list: list[Any], src: int | None = None, group: Any = None,
@@ -244,7 +255,8 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
     root = C.peer_rank(pg, src, group_src, "broadcast", "src")
     me = pg.rank() == root
     data = _encode(list(object_list)) if me else b""
-    size = torch.tensor([(len(data) if data is not None else _FAILED) if me else 0], dtype=torch.int64)
+    size = torch.tensor([(len(data) if data is not None else _FAILED) if me else 0],
+                        dtype=torch.int64)
     C.broadcast(size, group=pg, group_src=root)
     if me and data is None:
         _raise_own(list(object_list), "broadcast_object_list")
@@ -254,28 +266,32 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
     if not me:
         got = _decode(buf.numpy().tobytes(), pg.ranks[root], "broadcast_object_list")
         if len(got) != len(object_list):
-            raise ValueError(f"broadcast_object_list: object_list: rank {pg.ranks[root]} sent {len(got)} "
-                             f"objects, this rank's list has {len(object_list)} entries")
+            raise ValueError(f"broadcast_object_list: object_list: rank {pg.ranks[root]} sent "
+                             f"{len(got)} objects, this rank's list has {len(object_list)} entries")
         object_list[:] = got
 
 
-def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None,
-                        src: int | None = None, group: Any = None, group_src: int | None = None) -> None:
-    """Rank ``r`` receives ``scatter_object_input_list[r]`` of ``src`` in ``scatter_object_output_list[0]``."""
+def scatter_object_list(scatter_object_output_list: list[Any],
+                        scatter_object_input_list: list[Any] | None = None, src: int | None = None,
+                        group: Any = None,
+                        group_src: int | None = None) -> None:
+    """Rank ``r`` receives ``scatter_object_input_list[r]`` of ``src`` in
+    ``scatter_object_output_list[0]``."""
     pg = resolve_group(group)
     if pg is None:
         return
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
-        raise ValueError("Expected argument scatter_object_output_list to be a list of size at least 1. "
-                         "(scatter_object_list: scatter_object_output_list: expected a list of at least "
-                         f"1 entry, got {scatter_object_output_list!r})")
+        raise ValueError("Expected argument scatter_object_output_list to be a list of size at "
+                         "least 1. (scatter_object_list: scatter_object_output_list: expected a "
+                         f"list of at least 1 entry, got {scatter_object_output_list!r})")
     root = C.peer_rank(pg, src, group_src, "scatter", "src")
     n = pg.size()
     me = pg.rank() == root
     datas: list[bytes | None] = []
     if me:
         if scatter_object_input_list is None or len(scatter_object_input_list) != n:
-            raise ValueError(f"scatter_object_list: scatter_object_input_list: expected {n} objects on the source")
+            raise ValueError("scatter_object_list: scatter_object_input_list: expected "
+                             f"{n} objects on the source")
         datas = [_encode(o) for o in scatter_object_input_list]
     sizes = torch.tensor([len(d) if d is not None else _FAILED for d in datas] if me else [0] * n,
                          dtype=torch.int64)
@@ -288,11 +304,13 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     out = torch.empty(width, dtype=torch.uint8)
     C.scatter(out, [_as_tensor(d, width) for d in datas] if me else None, group=pg, group_src=root)
     mine = int(sizes[pg.rank()])
-    scatter_object_output_list[0] = _decode(out[:mine].numpy().tobytes(), pg.ranks[root], "scatter_object_list")
+    scatter_object_output_list[0] = _decode(out[:mine].numpy().tobytes(), pg.ranks[root],
+                                            "scatter_object_list")
 
 
-def send_object_list(object_list: list[Any], dst: int | None = None, group: Any = None, device: Any = None,
-                     group_dst: int | None = None, use_batch: bool = False) -> None:
+def send_object_list(object_list: list[Any], dst: int | None = None, group: Any = None,
+                     device: Any = None, group_dst: int | None = None,
+                     use_batch: bool = False) -> None:
     """Send the objects of ``object_list`` to ``dst`` (pairs with :func:`recv_object_list`);
     ``use_batch=True`` sends through ``batch_isend_irecv``, as torch's does."""
     data = _encode(list(object_list))
@@ -303,8 +321,9 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group: Any 
     p2p.send_one(_as_tensor(data, size), dst, group, group_dst, use_batch)
 
 
-def recv_object_list(object_list: list[Any], src: int | None = None, group: Any = None, device: Any = None,
-                     group_src: int | None = None, use_batch: bool = False) -> int:
+def recv_object_list(object_list: list[Any], src: int | None = None, group: Any = None,
+                     device: Any = None, group_src: int | None = None,
+                     use_batch: bool = False) -> int:
     """Receive objects into ``object_list``; returns the sender's global rank (``use_batch``: as
     :func:`send_object_list`)."""
     size = torch.zeros(1, dtype=torch.int64)

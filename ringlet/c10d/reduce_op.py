@@ -68,10 +68,12 @@ class reduce_op:
 
 
 def _make_nccl_premul_sum(factor: float | torch.Tensor) -> ReduceOp:
-    """A ``PREMUL_SUM`` operator: each rank's contribution is multiplied by ``factor``, then summed."""
+    """A ``PREMUL_SUM`` operator: each rank's contribution is multiplied by
+    ``factor``, then summed."""
     if isinstance(factor, torch.Tensor):
         if factor.numel() != 1:
-            raise ValueError(f"premul_sum factor: expected a scalar, got a tensor of shape {tuple(factor.shape)}")
+            raise ValueError("premul_sum factor: expected a scalar, got a tensor of "
+                             f"shape {tuple(factor.shape)}")
         factor = factor.item()
     return ReduceOp(RedOpType.PREMUL_SUM, float(factor))
 
@@ -82,7 +84,8 @@ def resolve_op(op: Any, opname: str) -> tuple[RedOpType, float | None]:
         return op, None
     if isinstance(op, ReduceOp):
         if op.op == RedOpType.PREMUL_SUM and op.factor is None:
-            raise ValueError(f"{opname}: PREMUL_SUM needs a factor; use _make_nccl_premul_sum(factor)")
+            raise ValueError(f"{opname}: PREMUL_SUM needs a factor; use "
+                             "_make_nccl_premul_sum(factor)")
         return op.op, op.factor
     if isinstance(op, int) and not isinstance(op, bool):   # RedOpType is an IntEnum; True is no op
         try:
@@ -90,7 +93,8 @@ def resolve_op(op: Any, opname: str) -> tuple[RedOpType, float | None]:
         except ValueError:
             raise ValueError(f"{opname}: expected a ReduceOp, got {op!r}") from None
         if red == RedOpType.PREMUL_SUM:
-            raise ValueError(f"{opname}: PREMUL_SUM needs a factor; use _make_nccl_premul_sum(factor)")
+            raise ValueError(f"{opname}: PREMUL_SUM needs a factor; use "
+                             "_make_nccl_premul_sum(factor)")
         return red, None
     raise TypeError(f"{opname}: expected a ReduceOp, got {type(op).__name__} {op!r}")
 
@@ -103,5 +107,5 @@ def check_complex(red: RedOpType, dtype: torch.dtype, opname: str) -> None:
     (``ValueError: all_reduce does not support ReduceOp.MAX on complex tensors``)."""
     if dtype.is_complex and red not in _COMPLEX_OPS:
         raise ValueError(f"all_reduce does not support ReduceOp.{red.name} on complex tensors "
-                         f"({opname}: dtype {str(dtype).removeprefix('torch.')}); expected ReduceOp.SUM, "
-                         "AVG or PREMUL_SUM")
+                         f"({opname}: dtype {str(dtype).removeprefix('torch.')}); expected "
+                         "ReduceOp.SUM, AVG or PREMUL_SUM")

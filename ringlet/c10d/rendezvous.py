@@ -43,9 +43,11 @@ def host_key() -> str:
 
 def check_ranks(rank: int, world_size: int) -> None:
     if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"init_process_group: world_size: expected a positive int, got {world_size!r}")
+        raise ValueError("init_process_group: world_size: expected a "
+                         f"positive int, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"init_process_group: rank: expected 0 <= rank < world_size={world_size}, got {rank!r}")
+        raise ValueError("init_process_group: rank: expected 0 "
+                         f"<= rank < world_size={world_size}, got {rank!r}")
 
 
 def _env_int(name: str) -> int:
@@ -79,7 +81,8 @@ def store_from_init_method(init_method: str | None, rank: int, world_size: int,
         port = _env_int("MASTER_PORT")
     elif url.scheme == "tcp":
         if not url.hostname or url.port is None:
-            raise ValueError(f"init_process_group: init_method: expected tcp://host:port, got {init_method!r}")
+            raise ValueError("init_process_group: init_method: expected "
+                             f"tcp://host:port, got {init_method!r}")
         host, port = url.hostname, url.port
     elif url.scheme == "file":
         check_ranks(rank, world_size)
@@ -90,8 +93,8 @@ def store_from_init_method(init_method: str | None, rank: int, world_size: int,
                          f"got {init_method!r}")
     check_ranks(rank, world_size)
     as_client = _env.agent_store()
-    store = TCPStore(host, port, world_size, is_master=(rank == 0 and not as_client), timeout=timeout,
-                     wait_for_workers=False)
+    store = TCPStore(host, port, world_size, is_master=(rank == 0 and not as_client),
+                     timeout=timeout, wait_for_workers=False)
     return store, rank, world_size
 
 
@@ -105,8 +108,8 @@ def rendezvous(store: Any, rank: int, world_size: int, backend: str, timeout: fl
     if got != mine:
         other = json.loads(got)
         msg = (f"init_process_group: rank {rank} was claimed twice: by pid {other['pid']} on "
-               f"{other['hostname']} and by pid {me['pid']} on {me['hostname']} (two processes with the "
-               f"same RANK?)")
+               f"{other['hostname']} and by pid {me['pid']} on {me['hostname']} (two "
+               "processes with the same RANK?)")
         store.set("rdzv/error", msg)
         raise ValueError(msg)
     deadline = time.monotonic() + timeout
@@ -123,8 +126,8 @@ def rendezvous(store: Any, rank: int, world_size: int, backend: str, timeout: fl
             break
         if time.monotonic() > deadline:
             missing = [r for r in range(world_size) if r not in infos]
-            raise DistStoreError(f"init_process_group: rank {rank}: {len(infos)}/{world_size} ranks joined "
-                                 f"within {timeout:.1f} s, missing ranks {missing}",
+            raise DistStoreError(f"init_process_group: rank {rank}: {len(infos)}/{world_size} "
+                                 f"ranks joined within {timeout:.1f} s, missing ranks {missing}",
                                  rank=rank, missing=missing)
         time.sleep(delay)
         delay = min(delay * 2, 0.1)

@@ -31,11 +31,11 @@ def all_reduce(pg: Any, tensor: torch.Tensor, op: Any, async_op: bool) -> Work |
     """
     red, _ = resolve_op(op, "all_reduce")
     if red != RedOpType.SUM:
-        raise ValueError(f"all_reduce: tensor: a sparse COO tensor is reduced with ReduceOp.SUM only, got "
-                         f"ReduceOp.{red.name}")
+        raise ValueError("all_reduce: tensor: a sparse COO tensor is reduced with ReduceOp.SUM "
+                         f"only, got ReduceOp.{red.name}")
     if tensor.device.type not in pg.transport.devices:
-        raise ValueError(f"all_reduce: tensor: expected a tensor on {list(pg.transport.devices)}, got one "
-                         f"on {tensor.device}")
+        raise ValueError(f"all_reduce: tensor: expected a tensor on {list(pg.transport.devices)}, "
+                         f"got one on {tensor.device}")
     try:   # a tensor built with invariant checks off may hold indices outside its shape
         torch._validate_sparse_coo_tensor_args(tensor._indices(), tensor._values(), tensor.shape)
     except RuntimeError as e:
@@ -62,14 +62,15 @@ def _check_same_layout(pg: Any, t: torch.Tensor) -> None:
     """Every rank holds a tensor of the same shape, sparse and dense dimensions."""
     from ringlet.c10d.collectives import all_gather_into_tensor
 
-    for what, mine in (("sparse_dim, dense_dim", [t.sparse_dim(), t.dense_dim()]), ("shape", list(t.shape))):
+    for what, mine in (("sparse_dim, dense_dim", [t.sparse_dim(), t.dense_dim()]),
+                       ("shape", list(t.shape))):
         local = torch.tensor(mine, dtype=torch.int64)
         every = torch.empty(pg.size() * len(mine), dtype=torch.int64)
         all_gather_into_tensor(every, local, group=pg)
         for r, theirs in enumerate(every.view(pg.size(), -1).tolist()):
             if theirs != mine:
-                raise ValueError(f"all_reduce: tensor: expected the same sparse layout on every rank; "
-                                 f"{what}: this rank {mine}, rank {pg.ranks[r]} {theirs}")
+                raise ValueError("all_reduce: tensor: expected the same sparse layout on every "
+                                 f"rank; {what}: this rank {mine}, rank {pg.ranks[r]} {theirs}")
 
 
 def _gather_uneven(pg: Any, flat: torch.Tensor) -> list[torch.Tensor]:

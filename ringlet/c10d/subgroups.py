@@ -20,27 +20,27 @@ __all__ = ["split_group"]
 def _check_splits(split_ranks: Any, size: int) -> list[list[int]]:
     op = "split_group"
     if not isinstance(split_ranks, (list, tuple)) or not split_ranks:
-        raise checks.fail(ValueError, op, "split_ranks", f"expected a non-empty list of lists of group "
-                          f"ranks, got {split_ranks!r}")
+        raise checks.fail(ValueError, op, "split_ranks", "expected a non-empty list of lists of "
+                          f"group ranks, got {split_ranks!r}")
     seen: set[int] = set()
     out = []
     for i, split in enumerate(split_ranks):
         if not isinstance(split, (list, tuple)) or not split:
-            raise checks.fail(ValueError, op, f"split_ranks[{i}]", f"expected a non-empty list of group "
-                              f"ranks, got {split!r}")
+            raise checks.fail(ValueError, op, f"split_ranks[{i}]", "expected a non-empty list of "
+                              f"group ranks, got {split!r}")
         ranks = [checks.root(r, size, op, f"split_ranks[{i}]") for r in split]
         twice = sorted(seen.intersection(ranks)) or sorted({r for r in ranks if ranks.count(r) > 1})
         if twice:
-            raise checks.fail(ValueError, op, f"split_ranks[{i}]", f"expected disjoint splits, got rank(s) "
-                              f"{twice} more than once")
+            raise checks.fail(ValueError, op, f"split_ranks[{i}]", "expected disjoint splits, got "
+                              f"rank(s) {twice} more than once")
         seen.update(ranks)
         out.append(ranks)
     return out
 
 
 def split_group(parent_pg: Any = None, split_ranks: list[list[int]] | None = None,
-                timeout: timedelta | None = None, pg_options: Any = None, group_desc: str | None = None,
-                backend: str | None = None) -> Any:
+                timeout: timedelta | None = None, pg_options: Any = None,
+                group_desc: str | None = None, backend: str | None = None) -> Any:
     """Create one new group per entry of ``split_ranks`` (group ranks of ``parent_pg``).
 
     Args:

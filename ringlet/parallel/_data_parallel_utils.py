@@ -1,4 +1,5 @@
-"""DTensor parameters under a data-parallel wrapper: flatten to the local tensor, rebuild the DTensor.
+"""DTensor parameters under a data-parallel wrapper: flatten to the local
+tensor, rebuild the DTensor.
 
 A data-parallel wrapper (DDP) works on plain tensors: it broadcasts, buckets and all-reduces
 each rank's piece.  So a DTensor parameter (tensor parallelism on another mesh axis) is handed
@@ -29,13 +30,16 @@ from ringlet.dtensor._spec import DTensorSpec
 __all__ = ["_flatten_tensor", "_unflatten_tensor", "sync_grad_hook"]
 
 
-def sync_grad_hook(grad: torch.Tensor, *, device_handle: Any = None, compute_stream: Any = None) -> torch.Tensor:
-    """torch waits here for a gradient still in flight; ringlet's collectives return finished tensors."""
+def sync_grad_hook(grad: torch.Tensor, *, device_handle: Any = None,
+                   compute_stream: Any = None) -> torch.Tensor:
+    """torch waits here for a gradient still in flight; ringlet's collectives
+    return finished tensors."""
     return grad
 
 
 def _flatten_tensor(tensor: torch.Tensor) -> tuple[torch.Tensor, DTensorSpec | None]:
-    """``(local tensor, spec)`` of a DTensor (the local tensor is made to require grad), else ``(tensor, None)``."""
+    """``(local tensor, spec)`` of a DTensor (the local tensor is made to require grad),
+    else ``(tensor, None)``."""
     if isinstance(tensor, DTensor):
         local = tensor._local_tensor
         if local.is_leaf and local.is_floating_point():
@@ -46,14 +50,16 @@ def _flatten_tensor(tensor: torch.Tensor) -> tuple[torch.Tensor, DTensorSpec | N
 
 def _unflatten_tensor(tensor: torch.Tensor, spec: DTensorSpec, *, device_handle: Any = None,
                       compute_stream: Any = None) -> DTensor:
-    """The DTensor of layout ``spec`` whose local tensor is ``tensor`` (differentiable, no communication).
+    """The DTensor of layout ``spec`` whose local tensor is ``tensor``
+    (differentiable, no communication).
 
     Raises:
         ValueError: ``tensor`` does not have the local shape ``spec`` gives this rank.
     """
     want = spec.local_shape()
     if list(tensor.shape) != want:
-        raise ValueError(f"_unflatten_tensor: expected a local tensor of shape {want} for "
-                         f"{list(spec.placements)} of global shape {list(spec.shape)}, got {list(tensor.shape)}")
+        raise ValueError(f"_unflatten_tensor: expected a local tensor of shape {want} "
+                         f"for {list(spec.placements)} of global shape "
+                         f"{list(spec.shape)}, got {list(tensor.shape)}")
     return DTensor.from_local(tensor, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
                               stride=spec.stride)

@@ -104,7 +104,8 @@ class Joinable(ABC):
 def _member_group(group: Any, what: str) -> ProcessGroup:
     pg = resolve_group(group)
     if pg is None:
-        raise ValueError(f"Join: expected {what} to be a group this rank is a member of, got a non-member group")
+        raise ValueError(f"Join: expected {what} to be a group this rank is a member "
+                         "of, got a non-member group")
     return pg
 
 
@@ -134,8 +135,8 @@ class Join:
                 optimizer.step(); optimizer.zero_grad()
     """
 
-    def __init__(self, joinables: list[Joinable], enable: bool = True, throw_on_early_termination: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(self, joinables: list[Joinable], enable: bool = True,
+                 throw_on_early_termination: bool = False, **kwargs: Any) -> None:
         joinables = list(joinables)
         if not joinables:
             raise ValueError("Join: expected at least one joinable, got an empty list")
@@ -150,11 +151,12 @@ class Join:
         self._device = torch.device(joinables[0].join_device)
         for j in joinables[1:]:
             if _member_group(j.join_process_group, "the joinables' process group") is not self._pg:
-                raise ValueError(f"Join: expected all joinables on one process group, got {self._pg!r} for "
-                                 f"{type(joinables[0]).__name__} and {j.join_process_group!r} for {type(j).__name__}")
+                raise ValueError("Join: expected all joinables on one process group, got "
+                                 f"{self._pg!r} for {type(joinables[0]).__name__} and "
+                                 f"{j.join_process_group!r} for {type(j).__name__}")
             if torch.device(j.join_device) != self._device:
-                raise ValueError(f"Join: expected all joinables on one device, got {self._device} and "
-                                 f"{j.join_device} ({type(j).__name__})")
+                raise ValueError(f"Join: expected all joinables on one device, got {self._device} "
+                                 f"and {j.join_device} ({type(j).__name__})")
 
     def _set_configs(self, enable: bool) -> None:
         for i, j in enumerate(self._joinables):
@@ -192,8 +194,9 @@ class Join:
             is_last_joiner = False
             rounds += 1
             if rounds == _WARN_AFTER:
-                logger.warning("Join: rank %d has shadowed %d iterations of %d still-active rank(s); "
-                               "are the inputs very uneven?", self._global_rank(), rounds, active)
+                logger.warning("Join: rank %d has shadowed %d iterations of %d still-active "
+                               "rank(s); are the inputs very uneven?",
+                               self._global_rank(), rounds, active)
         for hook in self._hooks:
             hook.post_hook(is_last_joiner)
 
@@ -204,8 +207,9 @@ class Join:
         # Answers the active ranks' second all-reduce in notify_join_context (see the module note).
         flag = torch.ones(1, device=self._device)
         all_reduce(flag, group=self._pg)
-        raise RuntimeError(f"Rank {self._global_rank()} exhausted all inputs. (Join: this rank ran out of inputs "
-                           f"first; throw_on_early_termination=True raises on every rank)")
+        raise RuntimeError(f"Rank {self._global_rank()} exhausted all inputs. (Join: "
+                           "this rank ran out of inputs first; "
+                           "throw_on_early_termination=True raises on every rank)")
 
     @staticmethod
     def notify_join_context(joinable: Joinable) -> Work | None:
@@ -222,8 +226,8 @@ class Join:
         """
         config = getattr(joinable, "_join_config", None)
         if config is None:
-            raise AttributeError(f"Join.notify_join_context: expected {type(joinable).__name__} to call "
-                                 "Joinable.__init__() in its constructor, got no join config")
+            raise AttributeError(f"Join.notify_join_context: expected {type(joinable).__name__} to "
+                                 "call Joinable.__init__() in its constructor, got no join config")
         if not (config.enable and config.is_first_joinable):
             return None
         pg = _member_group(joinable.join_process_group, "the joinable's process group")
@@ -233,6 +237,6 @@ class Join:
             stop = torch.zeros(1, device=device)
             all_reduce(stop, group=pg)
             if stop.item() > 0:
-                raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing across all ranks. "
-                                   "(Join: throw_on_early_termination=True)")
+                raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing "
+                                   "across all ranks. (Join: throw_on_early_termination=True)")
         return work

@@ -83,15 +83,16 @@ class DistributedSampler(Sampler[int]):
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
         if num_replicas is None or rank is None:
             if not _world.is_initialized():
-                raise RuntimeError("DistributedSampler: expected num_replicas= and rank=, or an initialized "
-                                   "default process group (call ringlet.distributed.init_process_group()), got "
-                                   "neither")
+                raise RuntimeError("DistributedSampler: expected num_replicas= and rank=, or an "
+                                   "initialized default process group (call "
+                                   "ringlet.distributed.init_process_group()), got neither")
             num_replicas = _world.get_world_size() if num_replicas is None else num_replicas
             rank = _world.get_rank() if rank is None else rank
         if num_replicas < 1:
             raise ValueError(f"DistributedSampler: expected num_replicas >= 1, got {num_replicas}")
         if not 0 <= rank < num_replicas:
-            raise ValueError(f"DistributedSampler: expected rank in [0, {num_replicas - 1}], got {rank}")
+            raise ValueError("DistributedSampler: expected rank in [0, "
+                             f"{num_replicas - 1}], got {rank}")
         self.dataset = dataset
         self.num_replicas = num_replicas
         self.rank = rank
@@ -104,15 +105,17 @@ class DistributedSampler(Sampler[int]):
 
     def _length(self) -> int:
         if not isinstance(self.dataset, Sized):
-            raise TypeError(f"DistributedSampler: expected a dataset with len(), got {type(self.dataset).__name__}")
+            raise TypeError("DistributedSampler: expected a dataset with len(), got "
+                            f"{type(self.dataset).__name__}")
         return len(self.dataset)
 
     def __iter__(self) -> Iterator[int]:
-        indices = sample_indices(self._length(), self.num_replicas, self.rank, self.shuffle, self.seed,
-                                 self.epoch, self.drop_last)
+        indices = sample_indices(self._length(), self.num_replicas, self.rank, self.shuffle,
+                                 self.seed, self.epoch, self.drop_last)
         if len(indices) != self.num_samples:
-            raise AssertionError(f"DistributedSampler: expected {self.num_samples} indices for rank {self.rank}, "
-                                 f"got {len(indices)} (did the dataset change size after construction?)")
+            raise AssertionError(f"DistributedSampler: expected {self.num_samples} indices for "
+                                 f"rank {self.rank}, got {len(indices)} (did the dataset "
+                                 "change size after construction?)")
         return iter(indices)
 
     def __len__(self) -> int:
@@ -123,5 +126,6 @@ class DistributedSampler(Sampler[int]):
         self.epoch = epoch
 
     def __repr__(self) -> str:
-        return (f"DistributedSampler(rank {self.rank}/{self.num_replicas}, {self.num_samples} samples, "
-                f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, drop_last={self.drop_last})")
+        return (f"DistributedSampler(rank {self.rank}/{self.num_replicas}, {self.num_samples} "
+                f"samples, shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, "
+                f"drop_last={self.drop_last})")

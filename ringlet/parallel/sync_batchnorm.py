@@ -57,26 +57,31 @@ def _group_stats(x: torch.Tensor, pg: ProcessGroup) -> tuple[torch.Tensor, torch
     means, m2s, counts = table[:, :c], table[:, c:2 * c], table[:, 2 * c:]
     total = int(counts.sum().item())
     if total <= 1:
-        raise ValueError(f"SyncBatchNorm: expected more than 1 value per channel across the group when training, "
-                         f"got {total} (batch sizes per rank {counts.flatten().long().tolist()})")
+        raise ValueError("SyncBatchNorm: expected more than 1 value per channel across the group "
+                         f"when training, got {total} (batch sizes per rank "
+                         f"{counts.flatten().long().tolist()})")
     mean = (counts * means).sum(0) / total
     m2 = m2s.sum(0) + (counts * (means - mean).square()).sum(0)
     return mean, m2 / total, total
 
 
 class _SyncBatchNormFn(torch.autograd.Function):
-    """Forward: normalize with the group's statistics; backward: all-reduce the two gradient sums."""
+    """Forward: normalize with the group's statistics; backward: all-reduce
+    the two gradient sums."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, eps: float,
+    def forward(ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, running_mean: torch.Tensor | None,
+                running_var: torch.Tensor | None, eps: float,
                 factor: float, pg: ProcessGroup) -> torch.Tensor:
         x = x.contiguous()
         mean, var, total = _group_stats(x, pg)
         if running_mean is not None and running_var is not None:
-            # Running variance is the unbiased estimate over the whole group's batch (as BatchNorm's).
+            # Running variance is the unbiased estimate over the whole
+            # group's batch (as BatchNorm's).
             running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
-            running_var.mul_(1 - factor).add_((var * total / (total - 1)).to(running_var.dtype), alpha=factor)
+            running_var.mul_(1 - factor).add_((var * total / (total - 1)).to(running_var.dtype),
+                                              alpha=factor)
         invstd = torch.rsqrt(var + eps)
         shape = _channel_shape(x)
         y = (x.to(mean.dtype) - mean.view(shape)) * invstd.view(shape)
@@ -100,7 +105,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         xmu = x.to(mean.dtype) - mean.view(shape)
         sum_dy = dy.sum(dims)
         sum_dy_xmu = (dy * xmu).sum(dims)
-        grad_w = (sum_dy_xmu * invstd).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_w = ((sum_dy_xmu * invstd).to(weight.dtype) if weight is not None
+                  and ctx.needs_input_grad[1] else None)
         grad_b = sum_dy.to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -139,15 +145,18 @@ class SyncBatchNorm(_BatchNorm):
         out = model(x)                                          # stats over all ranks' x
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, process_group: Any = None, device: Any = None,
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, process_group: Any = None,
+                 device: Any = None,
                  dtype: Any = None) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device,
+                         dtype=dtype)
         self.process_group = process_group
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
-            raise ValueError(f"SyncBatchNorm: expected at least 2-D input (N, C, ...), got {input.dim()}-D input")
+            raise ValueError("SyncBatchNorm: expected at least 2-D input (N, C, ...), "
+                             f"got {input.dim()}-D input")
 
     def _factor(self) -> float:
         """Weight of this batch in the running statistics (counts the batch when tracking)."""
@@ -171,10 +180,10 @@ class SyncBatchNorm(_BatchNorm):
         running_var = self.running_var if tracked else None
         pg = self._sync_group() if self.training and use_batch_stats else None
         if pg is None:
-            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, use_batch_stats,
-                                factor, self.eps)
-        return _SyncBatchNormFn.apply(input, self.weight, self.bias, running_mean, running_var, self.eps,
-                                      factor, pg)
+            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
+                                use_batch_stats, factor, self.eps)
+        return _SyncBatchNormFn.apply(input, self.weight, self.bias, running_mean, running_var,
+                                      self.eps, factor, pg)
 
     def _sync_group(self) -> ProcessGroup | None:
         """The group to share statistics with, or None when there is nobody to share with."""
@@ -182,8 +191,8 @@ class SyncBatchNorm(_BatchNorm):
             return None
         pg = _world.resolve_group(self.process_group)
         if pg is None:
-            raise ValueError("SyncBatchNorm: expected a process_group this rank is a member of, got a non-member "
-                             "group")
+            raise ValueError("SyncBatchNorm: expected a process_group this rank is a member "
+                             "of, got a non-member group")
         return pg if pg.size() > 1 else None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
@@ -196,7 +205,8 @@ class SyncBatchNorm(_BatchNorm):
         return new
 
     @classmethod
-    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None) -> torch.nn.Module:
+    def convert_sync_batchnorm(cls, module: torch.nn.Module,
+                               process_group: Any = None) -> torch.nn.Module:
         """Replace every ``BatchNorm*d`` in ``module`` (recursively) by a :class:`SyncBatchNorm`.
 
         The new layers share the old ones' parameters (so ``requires_grad`` and an
@@ -211,8 +221,8 @@ class SyncBatchNorm(_BatchNorm):
         """
         out = module
         if isinstance(module, _BatchNorm):
-            out = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
-                      process_group)
+            out = cls(module.num_features, module.eps, module.momentum, module.affine,
+                      module.track_running_stats, process_group)
             if module.affine:
                 out.weight = module.weight
                 out.bias = module.bias

@@ -81,7 +81,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     Raises:
         NotImplementedError: ``overlap_with_ddp=True``.
-        ValueError: a non-member group, or (bucket view) parameters of mixed dtype or device on one rank.
+        ValueError: a non-member group, or (bucket view) parameters of mixed
+            dtype or device on one rank.
 
     Example::
 
@@ -91,20 +92,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if rank == 0: torch.save(opt.state_dict(), "opt.pt")
     """
 
-    def __init__(self, params: Iterable[Any], optimizer_class: type[Optimizer], process_group: Any = None,
-                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, **defaults: Any) -> None:
+    def __init__(self, params: Iterable[Any], optimizer_class: type[Optimizer],
+                 process_group: Any = None, parameters_as_bucket_view: bool = False,
+                 overlap_with_ddp: bool = False,
+                 **defaults: Any) -> None:
         if overlap_with_ddp:
-            raise NotImplementedError("ZeroRedundancyOptimizer: overlap_with_ddp=True (stepping inside DDP's "
-                                      "comm hook) is not supported by ringlet; use overlap_with_ddp=False")
+            raise NotImplementedError("ZeroRedundancyOptimizer: overlap_with_ddp=True "
+                                      "(stepping inside DDP's comm hook) is not supported by "
+                                      "ringlet; use overlap_with_ddp=False")
         if isinstance(params, torch.Tensor):
-            raise TypeError("ZeroRedundancyOptimizer: expected an iterable of Tensors or dicts, got a Tensor")
+            raise TypeError("ZeroRedundancyOptimizer: expected an iterable of "
+                            "Tensors or dicts, got a Tensor")
         self._initialized = False
         Optimizer.__init__(self, params, defaults)
         Joinable.__init__(self)
         pg = resolve_group(process_group)
         if pg is None:
-            raise ValueError("ZeroRedundancyOptimizer: expected a process_group this rank is a member of, "
-                             "got a non-member group")
+            raise ValueError("ZeroRedundancyOptimizer: expected a process_group this rank is a "
+                             "member of, got a non-member group")
         self.process_group = process_group
         self._pg: ProcessGroup = pg
         self.world_size = pg.size()
@@ -123,11 +128,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # -- the partition -------------------------------------------------------------------
     def _partition(self) -> list[list[int]]:
-        return partition_parameters([[p.numel() for p in g["params"]] for g in self.param_groups], self.world_size)
+        return partition_parameters([[p.numel() for p in g["params"]] for g in self.param_groups],
+                                    self.world_size)
 
     def _local_groups(self, rank: int) -> list[dict[str, Any]]:
         """Rank ``rank``'s shard as parameter groups (one per global group, possibly empty)."""
-        return [{**_hyper(g), "params": self._rank_params(rank, gi)} for gi, g in enumerate(self.param_groups)]
+        return [{**_hyper(g), "params": self._rank_params(rank, gi)}
+                for gi, g in enumerate(self.param_groups)]
 
     def _rank_params(self, rank: int, group: int) -> list[torch.Tensor]:
         params = self.param_groups[group]["params"]
@@ -155,8 +162,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if mask != self._trainable:       # requires_grad flipped: re-pack the buckets
             self._trainable = mask
             self._build_buckets()
-        self._copy_hyper(self.param_groups, self.optim.param_groups)   # e.g. an LR scheduler changed lr
-        loss = self.optim.step(closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
+        # e.g. an LR scheduler changed lr
+        self._copy_hyper(self.param_groups, self.optim.param_groups)
+        loss = (self.optim.step(closure, **kwargs) if closure is not None
+                else self.optim.step(**kwargs))
         self._sync_params()
         self._copy_hyper(self.optim.param_groups, self.param_groups)
         return loss
@@ -168,7 +177,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Every rank broadcasts its shard; all broadcasts are queued, then waited for."""
         works = []
         for rank in range(self.world_size):
-            tensors = [self._buckets[rank]] if self._buckets is not None else [p.detach() for p in self._shard(rank)]
+            tensors = ([self._buckets[rank]] if self._buckets is not None
+                       else [p.detach() for p in self._shard(rank)])
             for t in tensors:
                 if t.numel() > 0:
                     works.append(broadcast(t, group=self._pg, group_src=rank, async_op=True))
@@ -177,7 +187,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 w.wait()
 
     def _build_buckets(self) -> None:
-        """Pack each rank's trainable parameters into one flat tensor (parameters_as_bucket_view)."""
+        """Pack each rank's trainable parameters into one flat tensor
+        (parameters_as_bucket_view)."""
         if not self._bucket_view:
             return
         buckets = []
@@ -185,8 +196,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             params = [p for p in self._shard(rank) if p.requires_grad]
             kinds = {(p.dtype, p.device) for p in params}
             if len(kinds) > 1:
-                raise ValueError(f"ZeroRedundancyOptimizer(parameters_as_bucket_view=True): expected one dtype and "
-                                 f"device per rank's shard, got {sorted(map(str, kinds))} on rank {rank}")
+                raise ValueError("ZeroRedundancyOptimizer(parameters_as_bucket_view=True): "
+                                 "expected one dtype and device per rank's shard, got "
+                                 f"{sorted(map(str, kinds))} on rank {rank}")
             dtype, device = next(iter(kinds)) if kinds else (torch.float32, torch.device("cpu"))
             bucket = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device)
             off = 0
@@ -216,12 +228,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # -- state dicts ---------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Collect every rank's shard of the optimizer state on group rank ``to``; call on every rank.
+        """Collect every rank's shard of the optimizer state on group rank
+        ``to``; call on every rank.
 
         Afterwards :meth:`state_dict` works on rank ``to`` (only).
         """
         if not 0 <= to < self.world_size:
-            raise ValueError(f"consolidate_state_dict: expected to in [0, {self.world_size - 1}], got {to}")
+            raise ValueError("consolidate_state_dict: expected to in [0, "
+                             f"{self.world_size - 1}], got {to}")
         self._all_state_dicts = None
         self._copy_hyper(self.param_groups, self.optim.param_groups)
         gathered: list[Any] | None = [None] * self.world_size if self.rank == to else None
@@ -236,9 +250,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             RuntimeError: :meth:`consolidate_state_dict` was not run with this rank as ``to``.
         """
         if self._all_state_dicts is None:
-            raise RuntimeError(f"ZeroRedundancyOptimizer.state_dict: expected the optimizer state consolidated on "
-                               f"this rank (group rank {self.rank}) by consolidate_state_dict(to={self.rank}) on every "
-                               "rank, got none")
+            raise RuntimeError("ZeroRedundancyOptimizer.state_dict: expected the optimizer state "
+                               f"consolidated on this rank (group rank {self.rank}) by "
+                               f"consolidate_state_dict(to={self.rank}) on every rank, got none")
         index = self._global_index()
         state: dict[int, Any] = {}
         for rank, local in enumerate(self._all_state_dicts):
@@ -246,7 +260,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 for local_id, param in zip(group["params"], self._rank_params(rank, gi)):
                     if local_id in local["state"]:
                         state[index[id(param)]] = local["state"][local_id]
-        groups = [{**_hyper(g), "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
+        groups = [{**_hyper(g), "params": [index[id(p)] for p in g["params"]]}
+                  for g in self.param_groups]
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 
     def _global_index(self) -> dict[int, int]:
@@ -260,8 +275,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """
         groups = state_dict["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("ZeroRedundancyOptimizer.load_state_dict: expected parameter groups of sizes "
-                             f"{[len(g['params']) for g in self.param_groups]}, got {[len(g['params']) for g in groups]}")
+            raise ValueError("ZeroRedundancyOptimizer.load_state_dict: expected parameter groups "
+                             f"of sizes {[len(g['params']) for g in self.param_groups]}, got "
+                             f"{[len(g['params']) for g in groups]}")
         local_state: dict[int, Any] = {}
         local_groups = []
         local_id = 0
@@ -291,6 +307,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._pg
 
     def __repr__(self) -> str:
-        return (f"ZeroRedundancyOptimizer({self._optimizer_class.__name__}, rank {self.rank}/{self.world_size}, "
-                f"{sum(p.numel() for p in self._shard(self.rank))} of "
-                f"{sum(p.numel() for g in self.param_groups for p in g['params'])} elements in this shard)")
+        return (f"ZeroRedundancyOptimizer({self._optimizer_class.__name__}, rank "
+                f"{self.rank}/{self.world_size}, {sum(p.numel() for p in self._shard(self.rank))} "
+                f"of {sum(p.numel() for g in self.param_groups for p in g['params'])} elements in "
+                "this shard)")

@@ -192,7 +192,8 @@ def client_handshake(
     (status,) = recv_exact(sock, 1, deadline)
     if status == HS_BAD_TOKEN:
         raise DistStoreError(
-            f"store refused the connection: bad run token ({where}){_token_hint(token, host_secret)}",
+            "store refused the connection: bad run token "
+            f"({where}){_token_hint(token, host_secret)}",
             store=where,
         )
     if status != HS_OK:

@@ -93,7 +93,8 @@ def create_secret() -> tuple[str, bytes]:
 
 
 def read_secret(sid: str) -> bytes | None:
-    """The secret of ``sid`` from this user's directory, or None when this process cannot have it."""
+    """The secret of ``sid`` from this user's directory, or None when this
+    process cannot have it."""
     if not _ID.match(sid):
         return None
     try:
@@ -103,7 +104,8 @@ def read_secret(sid: str) -> bytes | None:
     if path is None:
         return None
     try:
-        fd = os.open(os.path.join(path, f"store-{sid}.secret"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(path, f"store-{sid}.secret"),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as f:

@@ -54,7 +54,8 @@ def hook_group(process_group: Any, hook: str) -> ProcessGroup:
     """
     pg = resolve_group(process_group)
     if pg is None:
-        raise ValueError(f"{hook}: expected a process group this rank is a member of, got a non-member group")
+        raise ValueError(f"{hook}: expected a process group this rank is a member "
+                         "of, got a non-member group")
     return pg
 
 
@@ -87,7 +88,8 @@ def allreduce_hook(process_group: Any, bucket: GradBucketLike) -> torch.futures.
     return allreduce_average(hook_group(process_group, "allreduce_hook"), bucket.buffer())
 
 
-def _compress_hook(dtype: torch.dtype, process_group: Any, bucket: GradBucketLike, name: str) -> torch.futures.Future:
+def _compress_hook(dtype: torch.dtype, process_group: Any, bucket: GradBucketLike,
+                   name: str) -> torch.futures.Future:
     pg = hook_group(process_group, name)
     buffer = bucket.buffer()
     compressed = buffer.to(dtype).div_(pg.size())
@@ -147,7 +149,8 @@ def fp16_compress_wrapper(hook: Hook) -> Hook:
     Example::
 
         state = powerSGD_hook.PowerSGDState(None, start_powerSGD_iter=10)
-        model.register_comm_hook(state, default_hooks.fp16_compress_wrapper(powerSGD_hook.powerSGD_hook))
+        model.register_comm_hook(state,
+        default_hooks.fp16_compress_wrapper(powerSGD_hook.powerSGD_hook))
     """
     return _compress_wrapper(torch.float16, hook)
 

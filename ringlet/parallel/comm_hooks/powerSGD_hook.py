@@ -63,26 +63,33 @@ class PowerSGDState:
             matrix by matrix either way (same result).
 
     Raises:
-        ValueError: a rank below 1, or ``start_powerSGD_iter <= 1`` with error feedback or warm start.
+        ValueError: a rank below 1, or ``start_powerSGD_iter <= 1`` with
+            error feedback or warm start.
 
     Example::
 
-        state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        state = PowerSGDState(process_group=None,
+        matrix_approximation_rank=1, start_powerSGD_iter=10)
         model.register_comm_hook(state, powerSGD_hook)
     """
 
-    def __init__(self, process_group: Any, matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_000,
-                 min_compression_rate: float = 2, use_error_feedback: bool = True, warm_start: bool = True,
-                 orthogonalization_epsilon: float = 0, random_seed: int = 0,
+    def __init__(self, process_group: Any, matrix_approximation_rank: int = 1,
+                 start_powerSGD_iter: int = 1_000, min_compression_rate: float = 2,
+                 use_error_feedback: bool = True,
+                 warm_start: bool = True, orthogonalization_epsilon: float = 0,
+                 random_seed: int = 0,
                  compression_stats_logging_frequency: int = 10_000,
                  batch_tensors_with_same_shape: bool = False) -> None:
         if matrix_approximation_rank < 1:
-            raise ValueError(f"PowerSGDState: expected matrix_approximation_rank >= 1, got {matrix_approximation_rank}")
+            raise ValueError("PowerSGDState: expected matrix_approximation_rank >= 1, got "
+                             f"{matrix_approximation_rank}")
         if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
-            raise ValueError("PowerSGDState: expected start_powerSGD_iter > 1 when use_error_feedback or warm_start "
-                             f"is on (DDP rebuilds its buckets after the first iteration), got {start_powerSGD_iter}")
+            raise ValueError("PowerSGDState: expected start_powerSGD_iter > 1 when "
+                             "use_error_feedback or warm_start is on (DDP rebuilds its buckets "
+                             f"after the first iteration), got {start_powerSGD_iter}")
         if orthogonalization_epsilon < 0:
-            raise ValueError(f"PowerSGDState: expected orthogonalization_epsilon >= 0, got {orthogonalization_epsilon}")
+            raise ValueError("PowerSGDState: expected orthogonalization_epsilon >= 0, got "
+                             f"{orthogonalization_epsilon}")
         self.process_group = process_group
         self.matrix_approximation_rank = matrix_approximation_rank
         self.start_powerSGD_iter = start_powerSGD_iter
@@ -94,7 +101,8 @@ class PowerSGDState:
         self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
         # Draws the seeds of Q; advanced identically on every rank, so Q agrees across ranks.
         self.rng = random.Random(random_seed)
-        self.error_dict: dict[int, torch.Tensor] = {}      # bucket index -> local residual (bucket-shaped)
+        # bucket index -> local residual (bucket-shaped)
+        self.error_dict: dict[int, torch.Tensor] = {}
         self.p_memory_dict: dict[int, torch.Tensor] = {}   # bucket index -> all P matrices, flat
         self.q_memory_dict: dict[int, torch.Tensor] = {}   # bucket index -> all Q matrices, flat
         self.iter = 0
@@ -111,7 +119,8 @@ class PowerSGDState:
                 logger.info("PowerSGD: compressing gradients from iteration %d on", self.iter)
 
     def compression_stats(self) -> tuple[float, int, int]:
-        """``(compression rate, elements before, elements after)`` summed over compressed iterations."""
+        """``(compression rate, elements before, elements after)`` summed over
+        compressed iterations."""
         before, after = self.total_numel_before_compression, self.total_numel_after_compression
         return (before / after if after > 0 else 0.0), before, after
 
@@ -135,7 +144,8 @@ class BucketPlan:
     """Which gradients of a bucket are compressed, and where their P and Q live (pure)."""
 
     shapes: tuple[torch.Size, ...]
-    offsets: tuple[int, ...]                          # element offset of each gradient in the buffer
+    # element offset of each gradient in the buffer
+    offsets: tuple[int, ...]
     compressed: tuple[tuple[int, int, int, int], ...]  # (gradient index, rows n, cols m, rank r)
     uncompressed: tuple[int, ...]
     p_numel: int
@@ -165,8 +175,8 @@ def plan_bucket(shapes: list[torch.Size], rank: int, min_compression_rate: float
         else:
             uncompressed.append(i)
             after += numel
-    return BucketPlan(tuple(shapes), tuple(offsets), tuple(compressed), tuple(uncompressed), p_numel, q_numel,
-                      before, after)
+    return BucketPlan(tuple(shapes), tuple(offsets), tuple(compressed), tuple(uncompressed),
+                      p_numel, q_numel, before, after)
 
 
 def _views(buffer: torch.Tensor, plan: BucketPlan) -> list[torch.Tensor]:
@@ -177,7 +187,8 @@ def _orthogonalize_(p: torch.Tensor, epsilon: float) -> None:
     """Make the columns of ``p`` orthonormal, in place (computed in at least float32)."""
     work = p.to(torch.float64 if p.dtype == torch.float64 else torch.float32)
     if epsilon == 0:
-        # Householder QR stays orthonormal even when P is rank-deficient (e.g. an all-zero gradient).
+        # Householder QR stays orthonormal even when P is rank-deficient
+        # (e.g. an all-zero gradient).
         work = torch.linalg.qr(work, mode="reduced").Q
     else:
         for i in range(work.shape[1]):
@@ -211,7 +222,8 @@ def _factors(plan: BucketPlan, views: list[torch.Tensor], p_mem: torch.Tensor, q
     """(M, P, Q) views for each compressed gradient."""
     out, p_off, q_off = [], 0, 0
     for i, n, m, r in plan.compressed:
-        out.append((views[i].view(n, m), p_mem[p_off:p_off + n * r].view(n, r), q_mem[q_off:q_off + m * r].view(m, r)))
+        out.append((views[i].view(n, m), p_mem[p_off:p_off + n * r].view(n, r),
+                    q_mem[q_off:q_off + m * r].view(m, r)))
         p_off += n * r
         q_off += m * r
     return out
@@ -260,12 +272,13 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucketLike) -> torch.futures
     plan = plan_bucket([g.shape for g in bucket.gradients()], state.matrix_approximation_rank,
                        state.min_compression_rate)
     if plan.numel_before != buffer.numel():
-        raise ValueError(f"powerSGD_hook: expected the bucket's gradients to fill its buffer of {buffer.numel()} "
-                         f"elements, got {plan.numel_before} (bucket {index})")
+        raise ValueError("powerSGD_hook: expected the bucket's gradients to fill its buffer of "
+                         f"{buffer.numel()} elements, got {plan.numel_before} (bucket {index})")
     local_input = _add_error_feedback(state, index, buffer)
     _record_stats(state, plan)
     views = _views(buffer, plan)
-    flat = torch.cat([views[i].reshape(-1) for i in plan.uncompressed]) if plan.uncompressed else None
+    flat = (torch.cat([views[i].reshape(-1) for i in plan.uncompressed]) if plan.uncompressed
+            else None)
     work_u = _start(all_reduce(flat, group=pg, async_op=True)) if flat is not None else None
     factors, work_q = _start_low_rank(state, pg, index, plan, views, buffer)
 
@@ -293,8 +306,9 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucketLike) -> torch.futures
     return last.get_future().then(finish)
 
 
-def _start_low_rank(state: PowerSGDState, pg: Any, index: int, plan: BucketPlan, views: list[torch.Tensor],
-                    buffer: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], Work | None]:
+def _start_low_rank(state: PowerSGDState, pg: Any, index: int, plan: BucketPlan,
+                    views: list[torch.Tensor], buffer: torch.Tensor,
+                    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], Work | None]:
     """P = M Q, all-reduce P (waited), orthonormalize, Q = Mᵀ P, start the all-reduce of Q."""
     if not plan.compressed:
         return [], None
@@ -302,14 +316,16 @@ def _start_low_rank(state: PowerSGDState, pg: Any, index: int, plan: BucketPlan,
     factors = _factors(plan, views, p_mem, q_mem)
     for m, p, q in factors:
         torch.matmul(m, q, out=p)
-    _start(all_reduce(p_mem, group=pg, async_op=True)).wait()    # see [Note: PowerSGD collective order]
+    # see [Note: PowerSGD collective order]
+    _start(all_reduce(p_mem, group=pg, async_op=True)).wait()
     for m, p, q in factors:
         _orthogonalize_(p, state.orthogonalization_epsilon)
         torch.matmul(m.t(), p, out=q)
     return factors, _start(all_reduce(q_mem, group=pg, async_op=True))
 
 
-def _add_error_feedback(state: PowerSGDState, index: int, buffer: torch.Tensor) -> torch.Tensor | None:
+def _add_error_feedback(state: PowerSGDState, index: int,
+                        buffer: torch.Tensor) -> torch.Tensor | None:
     """Add last iteration's residual to the bucket; return a copy of the corrected input."""
     if not state.use_error_feedback:
         return None

@@ -75,7 +75,8 @@ def _quantized_average(process_group: Any, bucket: GradBucketLike, row: int | No
 
 
 def quantization_pertensor_hook(process_group: Any, bucket: GradBucketLike) -> torch.futures.Future:
-    """Average the bucket sending 8-bit values with one scale per rank (see the module docstring)."""
+    """Average the bucket sending 8-bit values with one scale per rank (see
+    the module docstring)."""
     return _quantized_average(process_group, bucket, None, "quantization_pertensor_hook")
 
 
@@ -83,5 +84,6 @@ def quantization_perchannel_hook(process_group: Any, bucket: GradBucketLike, buc
                                  ) -> torch.futures.Future:
     """Average the bucket sending 8-bit values with one scale per ``bucket_size`` elements."""
     if bucket_size < 1:
-        raise ValueError(f"quantization_perchannel_hook: expected bucket_size >= 1, got {bucket_size}")
+        raise ValueError("quantization_perchannel_hook: expected "
+                         f"bucket_size >= 1, got {bucket_size}")
     return _quantized_average(process_group, bucket, bucket_size, "quantization_perchannel_hook")

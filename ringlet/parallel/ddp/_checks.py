@@ -29,7 +29,8 @@ BROADCAST_CAP_BYTES = 250 << 20
 
 def describe(params: Sequence[tuple[str, torch.Tensor]], buffers: Sequence[tuple[str, torch.Tensor]]
              ) -> list[Entry]:
-    """What must match across ranks: each parameter's and buffer's name, shape and dtype, in order."""
+    """What must match across ranks: each parameter's and buffer's name,
+    shape and dtype, in order."""
     out: list[Entry] = []
     for kind, named in (("parameter", params), ("buffer", buffers)):
         for name, t in named:
@@ -59,7 +60,8 @@ def first_difference(mine: list[Entry], ref: list[Entry]) -> str | None:
         y = ref[k] if k < len(ref) else None
         if x != y:
             where = f"at entry {k}: {_fmt(x)}, rank 0 has {_fmt(y)}"
-            return (f"{'; '.join(counts)}; first difference " if counts else "first difference ") + where
+            return (f"{'; '.join(counts)}; first difference "
+                    if counts else "first difference ") + where
     raise AssertionError("entries differ but no differing position was found")
 
 
@@ -74,12 +76,14 @@ def verify_same_model(entries: list[Entry], pg: Any) -> None:
             problems.append(f"rank {r}: {diff}")
     if problems:
         raise RuntimeError(
-            f"DistributedDataParallel (rank {pg.rank()}): expected the same parameters and buffers "
-            f"(names, shapes, dtypes, order) on every rank as on rank 0, got: {' | '.join(problems)}")
+            f"DistributedDataParallel (rank {pg.rank()}): expected the same parameters "
+            "and buffers (names, shapes, dtypes, order) on every rank as on rank 0, "
+            f"got: {' | '.join(problems)}")
 
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], pg: Any, src: int,
-                        cap_bytes: int = BROADCAST_CAP_BYTES, replace: bool = False) -> list[torch.Tensor]:
+                        cap_bytes: int = BROADCAST_CAP_BYTES,
+                        replace: bool = False) -> list[torch.Tensor]:
     """Give every rank group rank ``src``'s values of ``tensors`` (few collectives).
 
     Overwrites the tensors in place, or with ``replace=True`` leaves them alone on receiving
@@ -109,8 +113,8 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], pg: Any, src: int,
     return result
 
 
-def _unpack(flat: torch.Tensor, pack: list[int], tensors: Sequence[torch.Tensor], result: list[torch.Tensor],
-            replace: bool) -> None:
+def _unpack(flat: torch.Tensor, pack: list[int], tensors: Sequence[torch.Tensor],
+            result: list[torch.Tensor], replace: bool) -> None:
     off = 0
     for k in pack:
         t = tensors[k]

@@ -77,7 +77,8 @@ def reachable_params(outputs: Any, index: dict[int, int]) -> set[int]:
 
 
 def hook_backward_start(outputs: Any, callback: Callable[[], None]) -> int:
-    """Call ``callback()`` when backward reaches any output's ``grad_fn``; returns the nodes hooked."""
+    """Call ``callback()`` when backward reaches any output's ``grad_fn``;
+    returns the nodes hooked."""
     fns = _grad_fns(outputs)
 
     def prehook(grad_outputs: Any) -> None:

@@ -1,4 +1,5 @@
-"""DDP over a model whose parameters are DTensors: tensor parallelism inside, data parallelism across.
+"""DDP over a model whose parameters are DTensors: tensor parallelism inside,
+data parallelism across.
 
 On a 2-d mesh ``(dp, tp)`` a tensor-parallel model holds DTensor parameters sharded or
 replicated along ``tp``; DDP along ``dp`` must average each rank's *piece* with the ranks that
@@ -72,8 +73,8 @@ def _update_module_param(param_list: Iterable[tuple[nn.Module, str, torch.Tensor
     """
     for module, name, t in param_list:
         if name not in module._parameters:
-            raise AttributeError(f"_update_module_param: expected {type(module).__name__} to have a parameter "
-                                 f"{name!r}, got none")
+            raise AttributeError(f"_update_module_param: expected {type(module).__name__} to have "
+                                 f"a parameter {name!r}, got none")
         module._parameters[name] = t  # type: ignore[assignment]
 
 
@@ -83,7 +84,8 @@ def _registered(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
 
 
 def _reconstruct_dtensor(module: nn.Module, _input: Any = None) -> None:
-    """Forward pre-hook: register DTensors rebuilt around the local parameters (see the module docstring)."""
+    """Forward pre-hook: register DTensors rebuilt around the local parameters (see
+    the module docstring)."""
     built: dict[int, torch.Tensor] = {}
     updates = []
     for m, name, t in _registered(module):
@@ -99,8 +101,10 @@ def _reconstruct_dtensor(module: nn.Module, _input: Any = None) -> None:
     _update_module_param(updates)
 
 
-def _localize_dtensor(module: nn.Module, *_: Any, ignored_params: set[nn.Parameter] | None = None) -> None:
-    """Register local parameters in place of DTensor parameters (and of DTensors rebuilt for forward).
+def _localize_dtensor(module: nn.Module, *_: Any,
+                      ignored_params: set[nn.Parameter] | None = None) -> None:
+    """Register local parameters in place of DTensor parameters (and of
+    DTensors rebuilt for forward).
 
     A DTensor parameter becomes ``nn.Parameter(its local tensor)`` with ``_st_info`` = its spec
     (tied parameters stay tied); a rebuilt DTensor gives back the local parameter it wraps.
@@ -163,11 +167,13 @@ def _state_dict_as_dtensors(module: nn.Module, state_dict: dict[str, Any], prefi
     for key, local in _local_params_by_key(module, prefix).items():
         if key in state_dict:
             spec = local._st_info  # type: ignore[attr-defined]
-            state_dict[key] = make_dtensor(state_dict[key], spec.mesh, spec.placements, spec.shape, spec.stride)
+            state_dict[key] = make_dtensor(state_dict[key], spec.mesh, spec.placements, spec.shape,
+                                           spec.stride)
 
 
 def _load_into_locals(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    """DTensor values (any placements) or full tensors -> this rank's local piece (copied by nn.Module)."""
+    """DTensor values (any placements) or full tensors -> this rank's local piece
+    (copied by nn.Module)."""
     for key, local in _local_params_by_key(module, prefix).items():
         value = state_dict.get(key)
         if not isinstance(value, torch.Tensor):
@@ -208,18 +214,20 @@ def check_dp_orthogonal(module: nn.Module, pg: Any, where: str = "DistributedDat
         mesh = p.device_mesh
         coord = mesh.get_coordinate()
         if coord is None:
-            raise ValueError(f"{where}: parameter {name!r} is a DTensor on {mesh!r}, which does not contain "
-                             f"rank {mesh.get_rank()}")
+            raise ValueError(f"{where}: parameter {name!r} is a DTensor on {mesh!r}, which does "
+                             f"not contain rank {mesh.get_rank()}")
         for axis, placement in enumerate(p.placements):
             if isinstance(placement, Replicate):
                 continue
-            line = mesh.mesh.movedim(axis, -1)[tuple(c for a, c in enumerate(coord) if a != axis)].tolist()
+            line = mesh.mesh.movedim(axis, -1)[tuple(c for a, c in enumerate(coord)
+                                                     if a != axis)].tolist()
             shared = sorted(members.intersection(line) - {mesh.get_rank()})
             if shared:
                 axis_name = mesh.mesh_dim_names[axis] if mesh.mesh_dim_names else str(axis)
                 raise ValueError(
-                    f"{where}: parameter {name!r} is {p!r} on {mesh!r}: placed {placement!r} along mesh axis "
-                    f"{axis_name!r}, which holds ranks {shared} of the data-parallel group {sorted(members)}; "
-                    f"expected every rank of that group to hold the same piece (Replicate along any axis it "
-                    f"shares).  Use a 2-d mesh and data parallelism over its other axis, e.g. "
-                    f"DistributedDataParallel(model, device_mesh=mesh['dp'])")
+                    f"{where}: parameter {name!r} is {p!r} on {mesh!r}: placed {placement!r} "
+                    f"along mesh axis {axis_name!r}, which holds ranks {shared} of the "
+                    f"data-parallel group {sorted(members)}; expected every rank of that group to "
+                    "hold the same piece (Replicate along any axis it shares).  Use a 2-d mesh "
+                    "and data parallelism over its other axis, e.g. "
+                    "DistributedDataParallel(model, device_mesh=mesh['dp'])")

@@ -1,9 +1,11 @@
-"""fully_shard (FSDP2): parameters sharded on dim 0 over a DeviceMesh, one flat collective per group.
+"""fully_shard (FSDP2): parameters sharded on dim 0 over a DeviceMesh, one
+flat collective per group.
 
 Files, in dependency order: ``_shard_math`` (pure shard sizes, padding, flat layouts) ->
 ``_collectives`` (a group's all-gather / reduce-scatter) -> ``_param`` (one parameter) ->
 ``_param_group`` (one fully_shard call's group) -> ``_state`` / ``_context`` (hooks, training
-state, prefetch, the final callback) -> ``_init`` / ``_state_dict`` -> ``_api`` (the public surface).
+state, prefetch, the final callback) -> ``_init`` / ``_state_dict`` ->
+``_api`` (the public surface).
 """
 
 from ringlet.parallel.fsdp._api import (

@@ -1,4 +1,5 @@
-"""The public surface of fully_shard: ``fully_shard``, ``FSDPModule``, ``UnshardHandle``, forward methods.
+"""The public surface of fully_shard: ``fully_shard``, ``FSDPModule``,
+``UnshardHandle``, forward methods.
 
 [Note: copying a fully_shard module]
 ``copy.deepcopy`` of an FSDPModule (torch's FSDP2 refuses it) gives an independent module with
@@ -30,13 +31,15 @@ from ringlet.parallel.fsdp._state import COPY_SCOPE, FSDPState, TrainingState
 from ringlet.parallel.fsdp._state_dict import apply_to_group, register_state_dict_hooks
 from ringlet.parallel.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method",
+           "share_comm_ctx"]
 
 # One dynamically created subclass per user class, so that isinstance checks and type(m) are stable.
 _FSDP_CLASSES: dict[type, type] = {}
 
 
-def fully_shard(module: nn.Module | list[nn.Module], *, mesh: Any = None, reshard_after_forward: bool | int | None = None,
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: Any = None,
+                reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen
                 offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen
@@ -91,7 +94,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: Any = None, reshar
     modules = _check_modules(module)
     _check_policies(mp_policy, offload_policy)
     mesh_info = resolve_mesh(mesh)
-    group = build_group(modules, mesh_info, mp_policy, shard_placement_fn, set(ignored_params or ()))
+    group = build_group(modules, mesh_info, mp_policy, shard_placement_fn,
+                        set(ignored_params or ()))
     state = FSDPState(modules, group, mp_policy, None)
     apply_reshard_after_forward(state, reshard_after_forward, "fully_shard")
     for m in modules:
@@ -99,7 +103,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: Any = None, reshar
         register_state_dict_hooks(m, state)
         cls = type(m)
         if cls not in _FSDP_CLASSES:
-            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}",
+                                      (FSDPModule, cls), {"__module__": cls.__module__})
         m.__class__ = _FSDP_CLASSES[cls]
     return module
 
@@ -107,13 +112,15 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: Any = None, reshar
 def _check_modules(module: Any) -> list[nn.Module]:
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
-        raise ValueError("fully_shard: module: expected a module or a non-empty list of modules, got an empty list")
+        raise ValueError("fully_shard: module: expected a module or a non-empty list of "
+                         "modules, got an empty list")
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard: module: expected an nn.Module, got {type(m).__name__}")
         if isinstance(m, FSDPModule):
-            raise ValueError(f"fully_shard: module: expected a module not yet passed to fully_shard, got "  # noqa: TRY004
-                             f"{type(m).__name__} (fully_shard was already applied to it)")
+            raise ValueError("fully_shard: module: expected a module not yet passed "  # noqa: TRY004
+                             f"to fully_shard, got {type(m).__name__} (fully_shard "
+                             "was already applied to it)")
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("fully_shard: module: expected distinct modules, got one listed twice")
     return modules
@@ -121,7 +128,8 @@ def _check_modules(module: Any) -> list[nn.Module]:
 
 def _check_policies(mp_policy: Any, offload_policy: Any) -> None:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"fully_shard: mp_policy: expected a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+        raise TypeError("fully_shard: mp_policy: expected a MixedPrecisionPolicy, got "
+                        f"{type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard: offload_policy: expected an OffloadPolicy, got "
                         f"{type(offload_policy).__name__}")
@@ -140,7 +148,8 @@ def share_comm_ctx(modules: list[Any]) -> None:
         return
     for m in modules:
         if not isinstance(m, FSDPModule):
-            raise ValueError(f"share_comm_ctx: expected a list of FSDPModules, got {type(m).__name__}")  # noqa: TRY004
+            raise ValueError("share_comm_ctx: expected a list of FSDPModules, got "  # noqa: TRY004
+                             f"{type(m).__name__}")
     pool = BufferPool()
     for m in modules:
         for sub in m._fsdp_modules(True):
@@ -192,7 +201,8 @@ class FSDPModule(FSDPControls):
             group.reshard()
 
     def reset_iter_state(self) -> None:
-        """Recover after forward/backward raised: reshard every group and return every state to idle.
+        """Recover after forward/backward raised: reshard every group and
+        return every state to idle.
 
         Raises:
             RuntimeError: called on a module that is not the root.
@@ -214,9 +224,10 @@ class FSDPModule(FSDPControls):
         states = [m._get_fsdp_state() for m in self._fsdp_modules(True)]
         for s in states:
             if s.training_state is not TrainingState.IDLE:
-                raise RuntimeError(f"deepcopy of a fully_shard module: expected {s.name} to be idle (between "
-                                   f"iterations), got training state {s.training_state.value}; copy it "
-                                   f"before forward or after backward")
+                raise RuntimeError("deepcopy of a fully_shard module: expected "
+                                   f"{s.name} to be idle (between iterations), got "
+                                   f"training state {s.training_state.value}; copy it "
+                                   "before forward or after backward")
         for s in states:
             if s.ctx is not None:
                 s.ctx.finish_reductions()

@@ -1,4 +1,5 @@
-"""User-supplied collectives for fully_shard (torch's ``_fsdp_api`` ``Comm``, ``AllGather``, ``ReduceScatter``).
+"""User-supplied collectives for fully_shard (torch's ``_fsdp_api`` ``Comm``,
+``AllGather``, ``ReduceScatter``).
 
 ``FSDPModule.set_custom_all_gather(comm)`` / ``set_custom_reduce_scatter(comm)`` hand a group's
 collective to ``comm``: fully_shard asks it for the big buffer (``allocate``: the gathered
@@ -14,7 +15,8 @@ Example::
             return torch.empty(*size, dtype=dtype, device=device)
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             CountingAllGather.calls += 1
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            return dist.all_gather_into_tensor(output_tensor, input_tensor,
+            group=group, async_op=async_op)
 
     block.set_custom_all_gather(CountingAllGather())
 """
@@ -34,8 +36,10 @@ class Comm(abc.ABC):
     """A collective that also decides where its buffers come from."""
 
     @abc.abstractmethod
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer of ``size`` for the collective (``torch.empty(*size, ...)`` is a fine default)."""
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        """A buffer of ``size`` for the collective (``torch.empty(*size,
+        ...)`` is a fine default)."""
 
 
 class AllGather(Comm):

@@ -1,4 +1,5 @@
-"""What the fully_shard modules under one root share during a step: orders, prefetch, the final callback.
+"""What the fully_shard modules under one root share during a step: orders,
+prefetch, the final callback.
 
 The root is the first fully_shard module whose forward runs; its lazy init collects every
 fully_shard module below it (including itself) into one :class:`IterationContext`.  The
@@ -38,7 +39,8 @@ class IterationContext:
     @staticmethod
     def lazy_init(state: FSDPState) -> None:
         """Make ``state`` the root of every fully_shard module under it (first forward only)."""
-        found = [s for m in state.module.modules() if isinstance(s := m.__dict__.get("_fsdp_state"), FSDPState)]
+        found = [s for m in state.module.modules()
+                 if isinstance(s := m.__dict__.get("_fsdp_state"), FSDPState)]
         states = list({id(s): s for s in found}.values())      # grouped modules share one state
         ctx = IterationContext(state, states)
         pool = getattr(state, "shared_pool", None) or BufferPool()   # share_comm_ctx
@@ -49,7 +51,8 @@ class IterationContext:
                 s.group.pool = pool     # [Note: buffer reuse]: blocks of equal size share buffers
 
     def __repr__(self) -> str:
-        return f"IterationContext(root {self.root.name}, {len(self.states)} modules, frozen={self.order_frozen})"
+        return (f"IterationContext(root {self.root.name}, {len(self.states)} modules, "
+                f"frozen={self.order_frozen})")
 
     # -- forward -----------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
@@ -67,7 +70,8 @@ class IterationContext:
             self.post_forward_order.append(state)
 
     def prefetch(self, state: FSDPState, explicit: list[FSDPState] | None, forward: bool) -> None:
-        """Start the all-gathers of the groups that run after ``state`` (explicit list or implicit order)."""
+        """Start the all-gathers of the groups that run after ``state`` (explicit
+        list or implicit order)."""
         if explicit is not None:
             targets = explicit
         elif forward:
@@ -78,7 +82,8 @@ class IterationContext:
             g = t.group
             if g is None or g.sharded_state is ShardedState.UNSHARDED:
                 continue
-            if not forward and (not g.unshard_in_backward or t.training_state is not TrainingState.IDLE):
+            if not forward and (not g.unshard_in_backward
+                                or t.training_state is not TrainingState.IDLE):
                 continue
             g.unshard(async_op=True)
 
@@ -100,7 +105,8 @@ class IterationContext:
     def _final_callback(self) -> None:
         # _callback_queued stays True until the end: post_backward below must not queue another.
         try:
-            for s in reversed(self.states):   # a fixed order: every rank issues the same collectives
+            # a fixed order: every rank issues the same collectives
+            for s in reversed(self.states):
                 if s.needs_post_backward():
                     s.post_backward()
             self.finish_reductions()

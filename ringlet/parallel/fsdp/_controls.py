@@ -31,8 +31,10 @@ def apply_reshard_after_forward(state: FSDPState, value: Any, where: str) -> Non
     g = state.group
     if g is None:         # no parameters of its own: nothing to reshard, any int means "reshard"
         if not (value is None or isinstance(value, (bool, int))):
-            raise TypeError(f"{where}: reshard_after_forward: expected None, a bool or an int, got {value!r}")
-        state.reshard_after_forward = value if value is None or isinstance(value, bool) else value != 1
+            raise TypeError(f"{where}: reshard_after_forward: expected None, a "
+                            f"bool or an int, got {value!r}")
+        state.reshard_after_forward = (value if value is None or isinstance(value, bool)
+                                       else value != 1)
         return
     raf = normalize_reshard_after_forward(value, g.mesh_info.shard_size, where)
     state.reshard_after_forward = raf
@@ -61,26 +63,33 @@ class FSDPControls:
         return [m for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
 
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
-        found = [g for m in self._fsdp_modules(recurse) if (g := m._get_fsdp_state().group) is not None]
+        found = [g for m in self._fsdp_modules(recurse)
+                 if (g := m._get_fsdp_state().group) is not None]
         return list({id(g): g for g in found}.values())     # grouped modules share one group
 
     # -- gradient reduction ----------------------------------------------------------------
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
         """Turn gradient reduction on/off (off: gradients accumulate unsharded; ``no_sync``)."""
         for g in self._groups(recurse):
             g.requires_gradient_sync = bool(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: turn the replicate-axis all-reduce on/off (off: reduce-scattered grads accumulate)."""
+        """HSDP: turn the replicate-axis all-reduce on/off (off:
+        reduce-scattered grads accumulate)."""
         for g in self._groups(recurse):
             g.requires_all_reduce = bool(requires_all_reduce)
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
-        """Change ``reshard_after_forward`` (see :func:`fully_shard`) at run time (an int: collective)."""
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int,
+                                  recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` (see :func:`fully_shard`) at run time
+        (an int: collective)."""
         for m in self._fsdp_modules(recurse):
-            apply_reshard_after_forward(m._get_fsdp_state(), reshard_after_forward, "set_reshard_after_forward")
+            apply_reshard_after_forward(m._get_fsdp_state(), reshard_after_forward,
+                                        "set_reshard_after_forward")
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
         """Whether to free the unsharded parameters after backward (False saves a re-gather)."""
         for g in self._groups(recurse):
             g.reshard_after_backward = bool(reshard_after_backward)
@@ -88,13 +97,15 @@ class FSDPControls:
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
-            raise ValueError(f"set_gradient_divide_factor: factor: expected a positive number, got {factor!r}")
+            raise ValueError("set_gradient_divide_factor: factor: expected a "
+                             f"positive number, got {factor!r}")
         for g in self._groups(False):
             g.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated spelling of :meth:`set_gradient_divide_factor`."""
-        warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated; use "
+                      "set_gradient_divide_factor",
                       FutureWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
@@ -103,36 +114,45 @@ class FSDPControls:
         for g in self._groups(False):
             g.comm.force_sum = _flag(enable, "set_force_sum_reduction_for_comms")
 
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
         """Give every parameter of a reduced group the averaged gradient, counting zeros for the
         ranks where it got none (the reduce-scatter always carries zeros for them, so the
         collectives match either way); off: such a parameter keeps ``.grad`` None on the ranks
         where it got no gradient, as in torch."""
         for g in self._groups(recurse):
-            g.reduce_scatter_unused_params = _flag(reduce_scatter_unused_params, "set_reduce_scatter_unused_params")
+            g.reduce_scatter_unused_params = _flag(reduce_scatter_unused_params,
+                                                   "set_reduce_scatter_unused_params")
 
-    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
         """How many reduce-scatter input buffers the buffer pool keeps (``>= 1``)."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(f"set_reduce_scatter_max_input_buffers: expected an int, got "
                             f"{type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
-            raise ValueError(f"set_reduce_scatter_max_input_buffers: expected an int >= 1, got {max_input_buffers}")
+            raise ValueError("set_reduce_scatter_max_input_buffers: expected an int >= "
+                             f"1, got {max_input_buffers}")
         for g in self._groups(recurse):
             g.pool.max_free = max(g.pool.max_free, max_input_buffers)
 
-    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *,
+                                          recurse: bool = True) -> None:
         """Run reduce-scatters on a process group of their own (collective), so that they overlap
         all-gathers instead of queueing behind them on the shard group."""
         on = _flag(enable, "set_separate_reduce_scatter_group")
         for g in self._groups(recurse):
             info = g.mesh_info
-            g.comm.reduce_scatter_pg = subgroups(info, info.shard_size, "reduce_scatter") if on else None
+            g.comm.reduce_scatter_pg = (subgroups(info, info.shard_size, "reduce_scatter") if on
+                                        else None)
 
-    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
-        """Call ``hook(output)`` on the reduced gradient shard (after the HSDP all-reduce, if any)."""
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
+                            stream: Any = None) -> None:
+        """Call ``hook(output)`` on the reduced gradient shard (after the
+        HSDP all-reduce, if any)."""
         if not callable(hook):
-            raise TypeError(f"set_all_reduce_hook: hook: expected a callable, got {type(hook).__name__}")
+            raise TypeError("set_all_reduce_hook: hook: expected a callable, "
+                            f"got {type(hook).__name__}")
         for g in self._groups(False):
             g.all_reduce_hook = hook
 
@@ -147,26 +167,31 @@ class FSDPControls:
 
     def _set_comm(self, comm: Any, kind: type, attr: str, where: str) -> None:
         if not isinstance(comm, kind):
-            raise TypeError(f"{where}: expected a {kind.__name__} (ringlet.distributed.fsdp._fully_shard._fsdp_api), "
+            raise TypeError(f"{where}: expected a {kind.__name__} "
+                            "(ringlet.distributed.fsdp._fully_shard._fsdp_api), "
                             f"got {type(comm).__name__}")
         for g in self._groups(False):
             if g.allocate_from_process_group:
-                raise ValueError(f"{where}: cannot be combined with set_allocate_memory_from_process_group_for_comm")
+                raise ValueError(f"{where}: cannot be combined with "
+                                 "set_allocate_memory_from_process_group_for_comm")
             setattr(g.comm, attr, comm)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Accepted: ringlet's transports copy from ordinary memory, so there is no special allocator."""
+        """Accepted: ringlet's transports copy from ordinary memory, so there is
+        no special allocator."""
         on = _flag(enable, "set_allocate_memory_from_process_group_for_comm")
         for g in self._groups(False):
-            if on and (g.comm.all_gather_comm is not None or g.comm.reduce_scatter_comm is not None):
-                raise ValueError("set_allocate_memory_from_process_group_for_comm: cannot be combined with "
-                                 "set_custom_all_gather / set_custom_reduce_scatter")
+            if on and (g.comm.all_gather_comm is not None
+                       or g.comm.reduce_scatter_comm is not None):
+                raise ValueError("set_allocate_memory_from_process_group_for_comm: cannot be "
+                                 "combined with set_custom_all_gather / set_custom_reduce_scatter")
             g.allocate_from_process_group = on
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Symmetric-memory staging buffers are a CUDA/NCCL feature: refused by ringlet."""
-        raise NotImplementedError(f"set_symm_mem_for_comm({backend!r}): symmetric memory is a CUDA/NCCL feature; "
-                                  "ringlet's fully_shard communicates CPU tensors (leave it unset)")
+        raise NotImplementedError(f"set_symm_mem_for_comm({backend!r}): symmetric memory is "
+                                  "a CUDA/NCCL feature; ringlet's fully_shard communicates "
+                                  "CPU tensors (leave it unset)")
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward needs this module's parameters (False for e.g. an embedding)."""
@@ -181,11 +206,13 @@ class FSDPControls:
     # -- prefetch and events -----------------------------------------------------------------
     def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:
         """Start these modules' all-gathers when this module's forward starts."""
-        self._get_fsdp_state().forward_prefetch = _states(modules, "set_modules_to_forward_prefetch")
+        self._get_fsdp_state().forward_prefetch = _states(modules,
+                                                          "set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: list[Any]) -> None:
         """Start these modules' all-gathers when this module's backward starts."""
-        self._get_fsdp_state().backward_prefetch = _states(modules, "set_modules_to_backward_prefetch")
+        self._get_fsdp_state().backward_prefetch = _states(modules,
+                                                           "set_modules_to_backward_prefetch")
 
     def set_post_optim_event(self, event: Any) -> None:
         """Accepted for compatibility: on the CPU the optimizer step is done when forward starts."""

@@ -47,7 +47,8 @@ class MeshInfo:
         return self     # process groups are shared resources: a copied model uses the same ones
 
     def __repr__(self) -> str:
-        kind = f"HSDP {self.replicate_size}x{self.shard_size}" if self.is_hsdp else f"FSDP {self.shard_size}"
+        kind = (f"HSDP {self.replicate_size}x{self.shard_size}" if self.is_hsdp
+                else f"FSDP {self.shard_size}")
         return f"MeshInfo({kind}, shard rank {self.shard_rank})"
 
 
@@ -63,17 +64,19 @@ def resolve_mesh(mesh: Any) -> MeshInfo:
 
         mesh = init_device_mesh("cpu", (get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard: mesh: expected a DeviceMesh or None, got {type(mesh).__name__}")
+        raise TypeError("fully_shard: mesh: expected a DeviceMesh or None, "
+                        f"got {type(mesh).__name__}")
     if getattr(mesh, "device_type", "cpu") != "cpu":
-        raise ValueError(f"fully_shard: mesh: expected device type 'cpu' (ringlet serves CPU tensors), "
-                         f"got {mesh.device_type!r}")
+        raise ValueError("fully_shard: mesh: expected device type 'cpu' (ringlet serves CPU "
+                         f"tensors), got {mesh.device_type!r}")
     if mesh.ndim == 1:
         pg = mesh.get_group(0)
         return MeshInfo(mesh, pg, pg.rank(), pg.size(), None, 1)
     if mesh.ndim == 2:
         rep, shard = mesh.get_group(0), mesh.get_group(1)
         return MeshInfo(mesh, shard, shard.rank(), shard.size(), rep, rep.size())
-    raise ValueError(f"fully_shard: mesh: expected a 1-d (FSDP) or 2-d (HSDP) mesh, got {mesh.ndim} axes")
+    raise ValueError("fully_shard: mesh: expected a 1-d (FSDP) or 2-d (HSDP) "
+                     f"mesh, got {mesh.ndim} axes")
 
 
 def subgroups(info: MeshInfo, size: int, kind: str) -> ProcessGroup:
@@ -96,7 +99,8 @@ def subgroups(info: MeshInfo, size: int, kind: str) -> ProcessGroup:
         return cache[key]
     me = current_world().rank
     others = [a for a in range(root.ndim) if a not in axes]
-    lines = root.mesh.permute(others + list(axes)).reshape(-1, math.prod(root.shape[a] for a in axes))
+    lines = root.mesh.permute(others + list(axes)).reshape(-1,
+                                                           math.prod(root.shape[a] for a in axes))
     mine = None
     for line in lines.tolist():
         ranks = sorted(line)

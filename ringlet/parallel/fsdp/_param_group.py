@@ -1,4 +1,5 @@
-"""One fully_shard call's parameter group: residency, the flat all-gather and the gradient reduction.
+"""One fully_shard call's parameter group: residency, the flat all-gather
+and the gradient reduction.
 
 The group owns two flat buffers ([Note: flat layouts] in ``_shard_math``): the *shard
 buffer* (this rank's padded shards, in the parameters' own dtype; the sharded DTensors'
@@ -39,7 +40,8 @@ __all__ = ["FSDPParamGroup", "ShardedState"]
 
 
 class ShardedState(enum.Enum):
-    """Which parameters are registered on the modules: the sharded DTensors or the unsharded views."""
+    """Which parameters are registered on the modules: the sharded DTensors
+    or the unsharded views."""
 
     SHARDED = "sharded"
     UNSHARDED = "unsharded"
@@ -49,7 +51,8 @@ class FSDPParamGroup:
     """The parameters of one ``fully_shard(module)`` call and their collectives."""
 
     def __init__(self, module: nn.Module, params: list[FSDPParam], layout: GroupLayout,
-                 shard_buffer: torch.Tensor, mesh_info: MeshInfo, mp_policy: MixedPrecisionPolicy) -> None:
+                 shard_buffer: torch.Tensor, mesh_info: MeshInfo,
+                 mp_policy: MixedPrecisionPolicy) -> None:
         self.module = module
         self.params = params
         self.layout = layout
@@ -57,12 +60,14 @@ class FSDPParamGroup:
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
         self.sharded_state = ShardedState.SHARDED
-        self._unsharded: torch.Tensor | None = None        # flat, param-major; storage size 0 when freed
+        # flat, param-major; storage size 0 when freed
+        self._unsharded: torch.Tensor | None = None
         self._unsharded_alias: torch.Tensor | None = None  # same storage, own version counter
         self._pending_unshard: C.AllGather | None = None
         self._pending_reduce: C.ReduceScatter | None = None
         self.pool = C.BufferPool()     # replaced by the root's shared pool at lazy init
-        self._partial_reduce: torch.Tensor | None = None   # HSDP: reduce-scattered, not yet all-reduced
+        # HSDP: reduce-scattered, not yet all-reduced
+        self._partial_reduce: torch.Tensor | None = None
         self._partial_with_grad: set[int] = set()
         # Controls (FSDPModule setters).
         self.reshard_after_backward = True
@@ -75,7 +80,8 @@ class FSDPParamGroup:
         self.reduce_scatter_unused_params = False
         self.unshard_async_op = False
         self.allocate_from_process_group = False
-        self._post_forward_shard: torch.Tensor | None = None   # [Note: resharding to a smaller group]
+        # [Note: resharding to a smaller group]
+        self._post_forward_shard: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return (f"FSDPParamGroup({type(self.module).__name__}, {len(self.params)} params, "
@@ -85,8 +91,8 @@ class FSDPParamGroup:
         """Copy the sharded state; see [Note: copying a fully_shard module] in ``_api.py``."""
         if self._pending_unshard is not None or self._pending_reduce is not None or \
                 self.sharded_state is not ShardedState.SHARDED:
-            raise AssertionError(f"deepcopy of {self!r}: expected a resharded group with no collective "
-                                 f"in flight (FSDPModule.__deepcopy__ prepares it)")
+            raise AssertionError(f"deepcopy of {self!r}: expected a resharded group with no "
+                                 "collective in flight (FSDPModule.__deepcopy__ prepares it)")
         new = FSDPParamGroup.__new__(FSDPParamGroup)
         memo[id(self)] = new
         fresh = {"_unsharded": None, "_unsharded_alias": None}   # freed storage: never copied
@@ -110,8 +116,8 @@ class FSDPParamGroup:
     # -- residency -------------------------------------------------------------------------
     def _transition(self, expected: ShardedState, new: ShardedState, what: str) -> None:
         if self.sharded_state is not expected:
-            raise AssertionError(f"fully_shard({type(self.module).__name__}): {what}: expected sharded state "
-                                 f"{expected.value}, got {self.sharded_state.value}")
+            raise AssertionError(f"fully_shard({type(self.module).__name__}): {what}: expected "
+                                 f"sharded state {expected.value}, got {self.sharded_state.value}")
         self.sharded_state = new
 
     def unshard(self, async_op: bool = False) -> bool:
@@ -121,17 +127,20 @@ class FSDPParamGroup:
         if self._pending_unshard is None:
             self._sync_registration()
             if self.shard_buffer.device.type == "meta":
-                raise RuntimeError(f"fully_shard({type(self.module).__name__}): expected materialised parameters, "
-                                   f"got parameters on the meta device; call module.to_empty(device='cpu') "
-                                   f"and initialise them (e.g. reset_parameters()) first")
+                raise RuntimeError(f"fully_shard({type(self.module).__name__}): expected "
+                                   "materialised parameters, got parameters on the meta device; "
+                                   "call module.to_empty(device='cpu') and initialise them "
+                                   "(e.g. reset_parameters()) first")
             pf = self._post_forward_shard
             if pf is not None and self.comm.post_forward_pg is not None:
                 self._pending_unshard = C.start_all_gather(pf, self.param_dtype, self.layout,
-                                                           self.comm.post_forward_pg, async_op, self.pool)
+                                                           self.comm.post_forward_pg, async_op,
+                                                           self.pool)
             else:
-                self._pending_unshard = C.start_all_gather(self.shard_buffer, self.param_dtype, self.layout,
-                                                           self.mesh_info.shard_group, async_op, self.pool,
-                                                           self.comm.all_gather_comm)
+                self._pending_unshard = C.start_all_gather(self.shard_buffer, self.param_dtype,
+                                                           self.layout, self.mesh_info.shard_group,
+                                                           async_op,
+                                                           self.pool, self.comm.all_gather_comm)
         if async_op:
             return True
         self.wait_for_unshard()
@@ -163,7 +172,8 @@ class FSDPParamGroup:
         """
         if self._pending_unshard is not None:
             ag, self._pending_unshard = self._pending_unshard, None
-            C.wait_all_gather(ag, self.pool, self.shard_buffer)   # nobody waited for it: let it finish
+            # nobody waited for it: let it finish
+            C.wait_all_gather(ag, self.pool, self.shard_buffer)
             if ag.pooled:
                 self.pool.give(ag.gathered)
         if not post_forward:
@@ -219,8 +229,8 @@ class FSDPParamGroup:
         else:
             grads = [p.take_unsharded_grad(rd) if p.requires_grad else None for p in self.params]
             pg = self.comm.reduce_scatter_pg or self.mesh_info.shard_group
-            rs = C.start_reduce_scatter(grads, self.layout, rd, pg, self.divide_factor, self.pool, self.comm,
-                                        always=self.reduce_scatter_unused_params)
+            rs = C.start_reduce_scatter(grads, self.layout, rd, pg, self.divide_factor, self.pool,
+                                        self.comm, always=self.reduce_scatter_unused_params)
             if rs is not None and self.reduce_scatter_unused_params:
                 rs.with_grad = [i for i, p in enumerate(self.params) if p.requires_grad]
             self._pending_reduce = rs
@@ -231,7 +241,8 @@ class FSDPParamGroup:
         return any(p.has_unsharded_grad() for p in self.params)
 
     def finish_reduce(self) -> None:
-        """Wait for this group's reduce-scatter (and HSDP all-reduce); add the result into ``.grad``."""
+        """Wait for this group's reduce-scatter (and HSDP all-reduce); add the
+        result into ``.grad``."""
         rs = self._pending_reduce
         if rs is None:
             return
@@ -259,7 +270,8 @@ class FSDPParamGroup:
 
     # -- re-materialisation (module._apply: to_empty, to(dtype), ...) ------------------------
     def apply_fn(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Apply a tensor conversion to the shard buffer (and grads), then rebuild the parameters."""
+        """Apply a tensor conversion to the shard buffer (and grads), then
+        rebuild the parameters."""
         self.finish_reduce()
         self.reshard()
         self._sync_registration()

@@ -4,7 +4,8 @@
 - forward pre-hook: unshard the group (finishing a prefetched all-gather), prefetch the next
   group, cast inputs, and pass the inputs that require grad through ``_PostBackward``.
 - forward hook: reshard (``reshard_after_forward``; an int keeps a post-forward shard, see
-  [Note: resharding to a smaller group] in ``_param_group``), cast outputs, and register a tensor hook
+  [Note: resharding to a smaller group] in ``_param_group``), cast outputs,
+  and register a tensor hook
   on every output that requires grad: the *pre-backward* hook.  A tensor hook runs before
   the output's grad_fn, i.e. before any of the module's backward ops: the group is
   re-gathered (and the previous group in forward order prefetched) just in time.
@@ -43,7 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = ["COPY_SCOPE", "FSDPState", "TrainingState"]
 
-# A key in deepcopy's memo: ids of the FSDPStates being copied ([Note: copying a fully_shard module]).
+# A key in deepcopy's memo: ids of the FSDPStates being copied ([Note:
+# copying a fully_shard module]).
 COPY_SCOPE = "ringlet.fsdp.copy_scope"
 
 
@@ -83,8 +85,8 @@ class _PostBackward(torch.autograd.Function):
 class FSDPState:
     """The hooks and training state of one ``fully_shard(module)`` call."""
 
-    def __init__(self, modules: list[nn.Module], group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy,
-                 reshard_after_forward: bool | int | None) -> None:
+    def __init__(self, modules: list[nn.Module], group: FSDPParamGroup | None,
+                 mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool | int | None) -> None:
         self.modules = modules                                # [Note: grouped modules]
         self.module = modules[0]
         self.group = group
@@ -96,10 +98,12 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, else implicit order
         self.backward_prefetch: list[FSDPState] | None = None
         self.method_depth = 0                                 # inside a registered forward method
-        self._to_run: set[int] = set()                        # grouped modules yet to run this forward
+        # grouped modules yet to run this forward
+        self._to_run: set[int] = set()
         self._handles = []
         for m in modules:
-            self._handles += [m.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
+            self._handles += [m.register_forward_pre_hook(self._pre_forward_hook, prepend=True,
+                                                          with_kwargs=True),
                               m.register_forward_hook(self._post_forward_hook, prepend=False)]
 
     def __repr__(self) -> str:
@@ -130,24 +134,26 @@ class FSDPState:
 
     def context(self) -> IterationContext:
         if self.ctx is None:
-            raise AssertionError(f"fully_shard({self.name}): expected the root's lazy init to have run, "
-                                 f"got no context")
+            raise AssertionError(f"fully_shard({self.name}): expected the root's lazy init "
+                                 "to have run, got no context")
         return self.ctx
 
     def transition(self, new: TrainingState, what: str) -> None:
-        """Move to ``new``; raises AssertionError naming the module and both states if not allowed."""
+        """Move to ``new``; raises AssertionError naming the module and both
+        states if not allowed."""
         cur = self.training_state
         if new not in _TRANSITIONS[cur]:
             allowed = sorted(s.value for s, nxt in _TRANSITIONS.items() if new in nxt)
-            raise AssertionError(f"fully_shard({self.name}): {what}: expected training state in {allowed}, "
-                                 f"got {cur.value} (if an earlier forward or backward raised, call "
-                                 f"reset_iter_state() on the root module)")
+            raise AssertionError(f"fully_shard({self.name}): {what}: expected training state in "
+                                 f"{allowed}, got {cur.value} (if an earlier forward or backward "
+                                 "raised, call reset_iter_state() on the root module)")
         self.training_state = new
 
     # -- forward ---------------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple[Any, ...],
                           kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if self.method_depth and self.training_state is _T.FORWARD:   # forward() called by e.g. generate()
+        # forward() called by e.g. generate()
+        if self.method_depth and self.training_state is _T.FORWARD:
             return args, kwargs
         if len(self.modules) > 1 and self.training_state is _T.FORWARD:
             return self._join_group_forward(args, kwargs)            # [Note: grouped modules]
@@ -177,12 +183,14 @@ class FSDPState:
         return args, kwargs
 
     def complete_forward(self) -> None:
-        """The root's forward ended before every module of this group ran: end the group's forward."""
+        """The root's forward ended before every module of this group ran:
+        end the group's forward."""
         if self.training_state is _T.FORWARD:
             self._to_run.clear()
             self._end_forward()
 
-    def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def pre_forward(self, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.ctx is None:
             from ringlet.parallel.fsdp._context import IterationContext
 
@@ -277,7 +285,8 @@ class FSDPState:
 
     def _has_work(self) -> bool:
         g = self.group
-        return g is not None and (g.has_unsharded_grads() or g.sharded_state is ShardedState.UNSHARDED)
+        return g is not None and (g.has_unsharded_grads()
+                                  or g.sharded_state is ShardedState.UNSHARDED)
 
     def needs_post_backward(self) -> bool:
         """Checked by the final callback: did this backward leave work here?"""

@@ -68,9 +68,11 @@ def _post_load(state: FSDPState) -> None:
         state.group._sync_registration()
 
 
-def apply_to_group(module: nn.Module, group: FSDPParamGroup, fn: Callable[[torch.Tensor], torch.Tensor],
+def apply_to_group(module: nn.Module, group: FSDPParamGroup,
+                   fn: Callable[[torch.Tensor], torch.Tensor],
                    super_apply: Callable[[], Any]) -> Any:
-    """Run nn.Module's ``_apply`` with the managed parameters hidden, then convert the shard buffer."""
+    """Run nn.Module's ``_apply`` with the managed parameters hidden, then
+    convert the shard buffer."""
     group.finish_reduce()
     group.reshard()
     group._sync_registration()

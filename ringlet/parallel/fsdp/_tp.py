@@ -1,4 +1,5 @@
-"""fully_shard over tensor-parallel parameters: the 2-d (or 3-d, HSDP) layout of each sharded parameter.
+"""fully_shard over tensor-parallel parameters: the 2-d (or 3-d, HSDP) layout
+of each sharded parameter.
 
 A parameter that is already a DTensor (tensor parallelism along a "tp" axis) is sharded by
 fully_shard *as its local tensor*: the flat all-gather and reduce-scatter along the data-parallel
@@ -53,7 +54,8 @@ class TPLayout:
     def sharded_local_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's sharded piece (a view) of the *global* tensor ``full`` (no communication)."""
         coord = self.spmd_mesh.get_coordinate()
-        shape, offset = local_shape_and_offset(self.global_shape, self.spmd_mesh.shape, coord, self.spmd_placements)
+        shape, offset = local_shape_and_offset(self.global_shape, self.spmd_mesh.shape, coord,
+                                               self.spmd_placements)
         for d, (n, o) in enumerate(zip(shape, offset)):
             full = full.narrow(d, o, n)
         return full
@@ -66,24 +68,28 @@ class TPLayout:
         return make_dtensor(local, s.mesh, s.placements, s.shape, s.stride)
 
     def tp_local_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """A gradient of the unsharded TP parameter as a local tensor in the parameter's TP layout."""
+        """A gradient of the unsharded TP parameter as a local tensor in the
+        parameter's TP layout."""
         if not isinstance(grad, DTensor):
             return grad
         want = self.tp_spec.placements
         if tuple(grad.placements) != tuple(want):
-            grad = grad.redistribute(grad.device_mesh, want)   # e.g. a Partial gradient of a Replicate param
+            # e.g. a Partial gradient of a Replicate param
+            grad = grad.redistribute(grad.device_mesh, want)
         return grad._local_tensor
 
 
 def _names(mesh: Any, what: str, fqn: str) -> tuple[str, ...]:
     names = mesh.mesh_dim_names
     if not names:
-        raise ValueError(f"fully_shard: {fqn}: expected {what} with named axes (init_device_mesh(..., "
-                         f"mesh_dim_names=...)) to combine data and tensor parallelism, got {mesh!r}")
+        raise ValueError(f"fully_shard: {fqn}: expected {what} with named axes "
+                         "(init_device_mesh(..., mesh_dim_names=...)) to combine data and tensor "
+                         f"parallelism, got {mesh!r}")
     return tuple(names)
 
 
-def tp_layout(param: DTensor, fsdp_mesh: Any, fsdp_placements: Placements, shard_dim: int, fqn: str) -> TPLayout:
+def tp_layout(param: DTensor, fsdp_mesh: Any, fsdp_placements: Placements, shard_dim: int,
+              fqn: str) -> TPLayout:
     """The 2-d layout of tensor-parallel ``param`` under fully_shard on ``fsdp_mesh``.
 
     Raises:
@@ -91,19 +97,21 @@ def tp_layout(param: DTensor, fsdp_mesh: Any, fsdp_placements: Placements, shard
             not Replicate along the fully_shard axes, or it is Partial along a TP axis.
     """
     tp_mesh = param.device_mesh
-    fsdp_names, tp_names = _names(fsdp_mesh, "a fully_shard mesh", fqn), _names(tp_mesh, "a DTensor mesh", fqn)
+    fsdp_names, tp_names = (_names(fsdp_mesh, "a fully_shard mesh", fqn),
+                            _names(tp_mesh, "a DTensor mesh", fqn))
     if fsdp_mesh._root is not tp_mesh._root:
-        raise ValueError(f"fully_shard: {fqn}: expected the DTensor's mesh {tp_mesh!r} and fully_shard's mesh "
-                         f"{fsdp_mesh!r} to be slices of one DeviceMesh, got meshes of different roots")
+        raise ValueError(f"fully_shard: {fqn}: expected the DTensor's mesh {tp_mesh!r} and "
+                         f"fully_shard's mesh {fsdp_mesh!r} to be slices of one DeviceMesh, "
+                         "got meshes of different roots")
     tp_axes = [a for a, n in enumerate(tp_names) if n not in fsdp_names]
     for a, n in enumerate(tp_names):
         p = param.placements[a]
         if n in fsdp_names and not isinstance(p, Replicate):
-            raise ValueError(f"fully_shard: {fqn}: expected {param!r} to be Replicate along fully_shard's mesh "
-                             f"axis {n!r}, got {p!r}")
+            raise ValueError(f"fully_shard: {fqn}: expected {param!r} to be Replicate along "
+                             f"fully_shard's mesh axis {n!r}, got {p!r}")
         if a in tp_axes and not isinstance(p, (Shard, Replicate)):
-            raise ValueError(f"fully_shard: {fqn}: expected Shard or Replicate placements on the tensor-parallel "
-                             f"axes, got {p!r} on {n!r}")
+            raise ValueError(f"fully_shard: {fqn}: expected Shard or Replicate placements on the "
+                             f"tensor-parallel axes, got {p!r} on {n!r}")
     tp_pls = tuple(param.placements[a] for a in tp_axes)
     split = math.prod(tp_mesh.shape[a] for a in tp_axes if param.placements[a].is_shard(shard_dim))
     dp_pls = tuple(_StridedShard(shard_dim, split) if isinstance(p, Shard) and split > 1 else p

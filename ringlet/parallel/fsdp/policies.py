@@ -11,8 +11,8 @@ __all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
 
 def _check_dtype(name: str, value: object) -> None:
     if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-        raise TypeError(f"MixedPrecisionPolicy: {name}: expected None or a floating-point torch.dtype, "
-                        f"got {value!r}")
+        raise TypeError(f"MixedPrecisionPolicy: {name}: expected None or a floating-point "
+                        f"torch.dtype, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,7 +55,8 @@ class MixedPrecisionPolicy:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OffloadPolicy:
-    """No offloading (the default): sharded parameters, gradients and optimizer state stay where they are."""
+    """No offloading (the default): sharded parameters, gradients and optimizer
+    state stay where they are."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,4 +77,5 @@ class CPUOffloadPolicy(OffloadPolicy):
 
     def __post_init__(self) -> None:
         if not isinstance(self.pin_memory, bool):
-            raise TypeError(f"CPUOffloadPolicy: pin_memory: expected a bool, got {self.pin_memory!r}")
+            raise TypeError("CPUOffloadPolicy: pin_memory: expected a "
+                            f"bool, got {self.pin_memory!r}")

@@ -83,9 +83,11 @@ def distribute_param(module: nn.Module, name: str, mesh: DeviceMesh, placement: 
 
 
 def grad_to_param_layout(param: torch.Tensor) -> None:
-    """Post-accumulate-grad hook: the gradient in the parameter's placements ([Note: TP gradient layouts])."""
+    """Post-accumulate-grad hook: the gradient in the parameter's placements ([Note:
+    TP gradient layouts])."""
     grad = param.grad
-    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+    if (isinstance(grad, DTensor) and isinstance(param, DTensor)
+            and grad.placements != param.placements):
         with torch.no_grad():
             param.grad = grad.redistribute(param.device_mesh, param.placements)
 
@@ -95,6 +97,6 @@ def check_mesh(mesh: Any, op: str) -> DeviceMesh:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{op}: device_mesh: expected a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim != 1:
-        raise ValueError(f"{op}: device_mesh: expected a 1-d mesh, got {mesh!r}; slice the tensor-parallel "
-                         "axis first, e.g. mesh['tp']")
+        raise ValueError(f"{op}: device_mesh: expected a 1-d mesh, got {mesh!r}; slice the "
+                         "tensor-parallel axis first, e.g. mesh['tp']")
     return mesh

@@ -31,12 +31,13 @@ def _as_tuple(layouts: Layouts) -> tuple[Placement | None, ...] | None:
     return tuple(layouts)
 
 
-def _pairs(given: tuple[Any, ...] | None, desired: tuple[Any, ...] | None, style: str, what: str) -> None:
+def _pairs(given: tuple[Any, ...] | None, desired: tuple[Any, ...] | None, style: str,
+           what: str) -> None:
     if given is None:
         return
     if desired is None or len(given) != len(desired):
-        raise ValueError(f"{style}: expected desired_{what}_layouts with one entry per {what}_layouts entry "
-                         f"({len(given)}), got {desired!r}")
+        raise ValueError(f"{style}: expected desired_{what}_layouts with one entry per "
+                         f"{what}_layouts entry ({len(given)}), got {desired!r}")
 
 
 class PrepareModuleInput(ParallelStyle):
@@ -56,7 +57,8 @@ class PrepareModuleInput(ParallelStyle):
 
     Example::
 
-        PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+        PrepareModuleInput(input_layouts=(Shard(1), None),
+        desired_input_layouts=(Replicate(), None))
     """
 
     def __init__(self, *, input_layouts: Layouts = None, desired_input_layouts: Layouts = None,
@@ -70,11 +72,14 @@ class PrepareModuleInput(ParallelStyle):
         self.with_kwargs = input_kwarg_layouts is not None
         self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
         self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
-        if self.with_kwargs and set(self.input_kwarg_layouts) != set(self.desired_input_kwarg_layouts):
-            raise ValueError(f"PrepareModuleInput: expected desired_input_kwarg_layouts for the keywords "
-                             f"{sorted(self.input_kwarg_layouts)}, got {sorted(self.desired_input_kwarg_layouts)}")
+        if (self.with_kwargs
+                and set(self.input_kwarg_layouts) != set(self.desired_input_kwarg_layouts)):
+            raise ValueError("PrepareModuleInput: expected desired_input_kwarg_layouts for the "
+                             f"keywords {sorted(self.input_kwarg_layouts)}, got "
+                             f"{sorted(self.desired_input_kwarg_layouts)}")
 
-    def _one(self, x: Any, mesh: DeviceMesh, given: Placement | None, desired: Placement | None) -> Any:
+    def _one(self, x: Any, mesh: DeviceMesh, given: Placement | None,
+             desired: Placement | None) -> Any:
         if given is None:
             return x
         x = as_layout(x, mesh, given, desired)
@@ -84,19 +89,22 @@ class PrepareModuleInput(ParallelStyle):
         if self.input_layouts is None:
             return inputs
         if len(inputs) != len(self.input_layouts):
-            raise ValueError(f"PrepareModuleInput: expected {len(self.input_layouts)} positional inputs (one per "
-                             f"input_layouts entry), got {len(inputs)}")
+            raise ValueError(f"PrepareModuleInput: expected {len(self.input_layouts)} positional "
+                             f"inputs (one per input_layouts entry), got {len(inputs)}")
         desired = self.desired_input_layouts or self.input_layouts
-        return tuple(self._one(x, mesh, g, d) for x, g, d in zip(inputs, self.input_layouts, desired))
+        return tuple(self._one(x, mesh, g, d)
+                     for x, g, d in zip(inputs, self.input_layouts, desired))
 
     def _kwargs(self, kwargs: dict[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
-        return {k: self._one(v, mesh, self.input_kwarg_layouts.get(k), self.desired_input_kwarg_layouts.get(k))
+        return {k: self._one(v, mesh, self.input_kwarg_layouts.get(k),
+                             self.desired_input_kwarg_layouts.get(k))
                 for k, v in kwargs.items()}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.with_kwargs:
             module.register_forward_pre_hook(
-                lambda _, args, kwargs: (self._inputs(args, device_mesh), self._kwargs(kwargs, device_mesh)),
+                lambda _, args,
+                kwargs: (self._inputs(args, device_mesh), self._kwargs(kwargs, device_mesh)),
                 with_kwargs=True)
         else:
             module.register_forward_pre_hook(lambda _, args: self._inputs(args, device_mesh))
@@ -132,8 +140,8 @@ class PrepareModuleOutput(ParallelStyle):
         outs = outputs if isinstance(outputs, tuple) else (outputs,)
         layouts = self.output_layouts or ()
         if len(outs) != len(layouts):
-            raise ValueError(f"PrepareModuleOutput: expected {len(layouts)} module outputs (one per "
-                             f"output_layouts entry), got {len(outs)}")
+            raise ValueError(f"PrepareModuleOutput: expected {len(layouts)} module outputs (one "
+                             f"per output_layouts entry), got {len(outs)}")
         done = []
         for x, given, desired in zip(outs, layouts, self.desired_output_layouts or ()):
             if given is not None:
@@ -164,7 +172,8 @@ class PrepareModuleInputOutput(ParallelStyle):
                  desired_output_layouts: Layouts, use_local_output: bool = True) -> None:
         self.prepare_module_input = PrepareModuleInput(
             input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
-            input_kwarg_layouts=input_kwarg_layouts, desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
             use_local_output=use_local_input)
         self.prepare_module_output = PrepareModuleOutput(
             output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
@@ -176,4 +185,5 @@ class PrepareModuleInputOutput(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return f"PrepareModuleInputOutput({self.prepare_module_input!r}, {self.prepare_module_output!r})"
+        return (f"PrepareModuleInputOutput({self.prepare_module_input!r}, "
+                f"{self.prepare_module_output!r})")

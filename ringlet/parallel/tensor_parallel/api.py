@@ -18,7 +18,8 @@ Plan = ParallelStyle | dict[str, Any]
 
 
 def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
-                       parallelize_plan: Plan | None = None, *, src_data_rank: int | None = 0) -> nn.Module:
+                       parallelize_plan: Plan | None = None, *,
+                       src_data_rank: int | None = 0) -> nn.Module:
     """Parallelize ``module`` (in place) on a 1-d ``device_mesh`` following ``parallelize_plan``.
 
     Args:
@@ -64,21 +65,25 @@ def _world_mesh() -> DeviceMesh:
     return default_mesh()
 
 
-def _apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Plan, prefix: str, src_data_rank: int | None) -> None:
+def _apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Plan, prefix: str,
+                src_data_rank: int | None) -> None:
     if isinstance(plan, ParallelStyle):
         _apply_style(module, mesh, plan, prefix, src_data_rank)
         return
     if not isinstance(plan, dict):
-        raise TypeError(f"parallelize_module: parallelize_plan{f' at {prefix!r}' if prefix else ''}: expected a "
-                        f"ParallelStyle or a dict of module paths to styles, got {type(plan).__name__}")
+        raise TypeError("parallelize_module: "
+                        f"parallelize_plan{f' at {prefix!r}' if prefix else ''}: "
+                        "expected a ParallelStyle or a dict of module paths to styles, "
+                        f"got {type(plan).__name__}")
     for key, sub_plan in plan.items():
         if not isinstance(key, str):
             raise TypeError(f"parallelize_module: plan keys are module paths (str), got {key!r}")
         matches = match_paths(module, key)
         if not matches:
-            raise ValueError(f"parallelize_module: plan entry {_join(prefix, key)!r} -> {sub_plan!r} matches no "
-                             f"submodule of {type(module).__name__}{f' at {prefix!r}' if prefix else ''}; "
-                             f"its children are {[n for n, _ in module.named_children()]}")
+            raise ValueError(f"parallelize_module: plan entry {_join(prefix, key)!r} -> "
+                             f"{sub_plan!r} matches no submodule of "
+                             f"{type(module).__name__}{f' at {prefix!r}' if prefix else ''}; its "
+                             f"children are {[n for n, _ in module.named_children()]}")
         for path, sub in matches:
             _apply_plan(sub, mesh, sub_plan, _join(prefix, path), src_data_rank)
 
@@ -93,7 +98,8 @@ def match_paths(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
         return [("", module)]
     found: list[tuple[str, nn.Module]] = [("", module)]
     for atom in pattern.split("."):
-        found = [(_join(path, name), child) for path, mod in found for name, child in mod.named_children()
+        found = [(_join(path, name), child) for path, mod in found
+                 for name, child in mod.named_children()
                  if fnmatch.fnmatchcase(name, atom)]
     return found
 
@@ -110,7 +116,8 @@ def _apply_style(module: nn.Module, mesh: DeviceMesh, style: ParallelStyle, path
     except (NotImplementedError, ValueError, TypeError, RuntimeError) as e:
         where = f"module {path!r}" if path else "the root module"
         try:
-            named = type(e)(f"parallelize_module: {where} ({type(module).__name__}) with {style!r}: {e}")
+            named = type(e)(f"parallelize_module: {where} "
+                            f"({type(module).__name__}) with {style!r}: {e}")
         except Exception:  # noqa: BLE001 - an exception type with another constructor: keep it as is
             raise e from None
         raise named from e

@@ -1,4 +1,5 @@
-"""``loss_parallel()``: cross-entropy over logits sharded on the class (vocabulary) dim, never gathered.
+"""``loss_parallel()``: cross-entropy over logits sharded on the class
+(vocabulary) dim, never gathered.
 
 [Note: parallel cross-entropy]
 ``F.cross_entropy`` reaches DTensor as ``_log_softmax`` then ``nll_loss_forward`` (and
@@ -47,7 +48,8 @@ def loss_parallel() -> Iterator[None]:
     class dim (dim 1, or 0 for a single sample), e.g. the output of a
     ``ColwiseParallel(use_local_output=False)`` head flattened to ``[N, vocab]``.  The
     target and class weights may be plain tensors, the same on every rank: inside the
-    context plain tensors mixed with DTensors count as ``Replicate`` (``implicit_replication``).  Forward costs three
+    context plain tensors mixed with DTensors count as ``Replicate``
+    (``implicit_replication``).  Forward costs three
     all-reduces of one value per row, backward none ([Note: parallel cross-entropy]).
 
     Example::
@@ -67,7 +69,8 @@ def loss_parallel() -> Iterator[None]:
 
 
 def _class_axis(x: Any, dim: int) -> int | None:
-    """The mesh axis that shards dim ``dim`` of ``x`` when every other axis is Replicate, else None."""
+    """The mesh axis that shards dim ``dim`` of ``x`` when every other axis is
+    Replicate, else None."""
     if not isinstance(x, DTensor) or x.dim() == 0:
         return None
     dim %= x.dim()
@@ -90,7 +93,8 @@ def _log_softmax(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
         return decide(func, args, kwargs, overrides=False)
     local = x._local_tensor.float() if half_to_float else x._local_tensor
     if local.shape[dim] == 0:         # an empty shard of the classes contributes nothing
-        top = local.new_full([*local.shape[:dim % local.dim()], 1, *local.shape[dim % local.dim() + 1:]],
+        top = local.new_full([*local.shape[:dim % local.dim()], 1,
+                              *local.shape[dim % local.dim() + 1:]],
                              float("-inf"))
     else:
         top = local.amax(dim, keepdim=True)
@@ -126,8 +130,9 @@ def _nll_forward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
         return decide(func, args, kwargs, overrides=False)
     t, mine, index, w = _targets(x, target, weight, ignore_index, cdim)
     if bool((((t < 0) | (t >= x.shape[cdim])) & (t != ignore_index)).any()):
-        raise IndexError(f"loss_parallel: nll_loss: expected targets in [0, {x.shape[cdim]}) or ignore_index "
-                         f"{ignore_index}, got {t.tolist() if t.numel() <= 16 else 'values outside'}")
+        raise IndexError(f"loss_parallel: nll_loss: expected targets in [0, {x.shape[cdim]}) or "
+                         f"ignore_index {ignore_index}, got "
+                         f"{t.tolist() if t.numel() <= 16 else 'values outside'}")
     local = x._local_tensor
     picked = local.gather(cdim, index.unsqueeze(cdim)).squeeze(cdim) if local.shape[cdim] else \
         torch.zeros(index.shape, dtype=local.dtype, device=local.device)
@@ -165,7 +170,8 @@ def _nll_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     scale = _row_scale(grad, reduction, w, total_weight)
     local = x._local_tensor
     picked = torch.where(mine, -scale, torch.zeros_like(scale)).to(local.dtype)
-    local_grad = torch.zeros_like(local).scatter_(cdim, index.unsqueeze(cdim), picked.unsqueeze(cdim))
+    local_grad = torch.zeros_like(local).scatter_(cdim, index.unsqueeze(cdim),
+                                                  picked.unsqueeze(cdim))
     out = DTensor(local_grad, x._spec, requires_grad=False)
     # Every row of the global gradient sums to -scale (its one target); remember it so that the
     # log-softmax backward needs no all-reduce, as long as this very tensor arrives unmodified.

@@ -47,7 +47,8 @@ class ParallelStyle(ABC):
 
 def _first_input(inputs: tuple[Any, ...], style: str) -> Any:
     if not inputs:
-        raise ValueError(f"{style}: expected the module to be called with a tensor input, got no arguments")
+        raise ValueError(f"{style}: expected the module to be called with a "
+                         "tensor input, got no arguments")
     return inputs[0]
 
 
@@ -88,20 +89,24 @@ class _ShardedLayer(ParallelStyle):
         given, desired = self.input_layouts[0], self.desired_input_layouts[0]
         out_layout, use_local = self.output_layouts[0], self.use_local_output
         # A row-wise linear knows its input's global width: uneven splits of it still fit.
-        width = module.in_features if isinstance(module, nn.Linear) and isinstance(desired, Shard) else None
+        width = (module.in_features if isinstance(module, nn.Linear) and isinstance(desired, Shard)
+                 else None)
 
-        def prepare_input(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        def prepare_input(mod: nn.Module, inputs: tuple[Any, ...],
+                          mesh: DeviceMesh) -> tuple[Any, ...]:
             x = _first_input(inputs, style)
             return (as_layout(x, mesh, given, desired, _plain_shape(x, given, width)), *inputs[1:])
 
         def prepare_output(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
             return to_output(out, mesh, out_layout, use_local)
 
-        return distribute_module(module, device_mesh, self._partition, prepare_input, prepare_output)
+        return distribute_module(module, device_mesh, self._partition, prepare_input,
+                                 prepare_output)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(input_layouts={self.input_layouts[0]!r}, "
-                f"output_layouts={self.output_layouts[0]!r}, use_local_output={self.use_local_output})")
+                f"output_layouts={self.output_layouts[0]!r}, "
+                f"use_local_output={self.use_local_output})")
 
 
 class ColwiseParallel(_ShardedLayer):
@@ -118,8 +123,8 @@ class ColwiseParallel(_ShardedLayer):
         parallelize_module(mlp, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     """
 
-    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
-                 use_local_output: bool = True) -> None:
+    def __init__(self, *, input_layouts: Placement | None = None,
+                 output_layouts: Placement | None = None, use_local_output: bool = True) -> None:
         super().__init__()
         self.input_layouts = (input_layouts or Replicate(),)
         self.output_layouts = (output_layouts or Shard(-1),)
@@ -148,8 +153,8 @@ class RowwiseParallel(_ShardedLayer):
         use_local_output: return this rank's local output instead of a DTensor (default True).
     """
 
-    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
-                 use_local_output: bool = True) -> None:
+    def __init__(self, *, input_layouts: Placement | None = None,
+                 output_layouts: Placement | None = None, use_local_output: bool = True) -> None:
         super().__init__()
         self.input_layouts = (input_layouts or Shard(-1),)
         self.output_layouts = (output_layouts or Replicate(),)
@@ -195,13 +200,16 @@ class SequenceParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         layout, use_local = self.sequence_sharding[0], self.use_local_output
 
-        def prepare_input(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-            return (as_layout(_first_input(inputs, "SequenceParallel"), mesh, layout, layout), *inputs[1:])
+        def prepare_input(mod: nn.Module, inputs: tuple[Any, ...],
+                          mesh: DeviceMesh) -> tuple[Any, ...]:
+            return (as_layout(_first_input(inputs, "SequenceParallel"), mesh, layout, layout),
+                    *inputs[1:])
 
         def prepare_output(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
             return out.to_local() if use_local and isinstance(out, DTensor) else out
 
-        return distribute_module(module, device_mesh, self._partition, prepare_input, prepare_output)
+        return distribute_module(module, device_mesh, self._partition, prepare_input,
+                                 prepare_output)
 
     def __repr__(self) -> str:
         return (f"SequenceParallel(sequence_dim={self.sequence_sharding[0].dim}, "
