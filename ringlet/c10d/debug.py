@@ -96,7 +96,8 @@ def set_level(level: DebugLevel | int | str | None) -> DebugLevel:
         try:
             value = DebugLevel[level.strip().upper()]
         except KeyError:
-            raise ValueError(f"set_debug_level: expected OFF, INFO or DETAIL, got {level!r}") from None
+            raise ValueError("set_debug_level: expected OFF, INFO or DETAIL, got "
+                             f"{level!r}") from None
     else:
         try:
             value = DebugLevel(int(level))
@@ -137,7 +138,8 @@ class Watchdog:
         self._groups = groups          # the world's live list of groups
         self._seen = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"ringlet-watchdog-r{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=f"ringlet-watchdog-r{rank}",
+                                        daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
@@ -175,7 +177,8 @@ class Watchdog:
     def state(self, req: int) -> dict[str, Any]:
         frame = sys._current_frames().get(self._ident)
         full = _env.show_stacktraces()
-        stack = traceback.format_stack(frame, limit=None if full else 12) if frame is not None else []
+        stack = (traceback.format_stack(frame, limit=None if full else 12) if frame is not None
+                 else [])
         return {
             "req": req, "rank": self._rank, "pid": os.getpid(), "host": socket.gethostname(),
             "where": user_frame(frame), "stack": "".join(stack)[-(20000 if full else 3000):],
@@ -199,7 +202,8 @@ def hang_report(store: Any, pg: Any, err: BaseException) -> str:
                               name="ringlet-hang-report", daemon=True)
     worker.start()
     worker.join(REPORT_WAIT + 1.0)
-    return box[0] if box else f"(no hang report: the store did not answer within {REPORT_WAIT + 1.0:.0f} s)"
+    return (box[0] if box
+            else f"(no hang report: the store did not answer within {REPORT_WAIT + 1.0:.0f} s)")
 
 
 def _collect_report(store: Any, pg: Any, err: BaseException) -> str:
@@ -231,7 +235,8 @@ def format_report(pg: Any, states: dict[int, dict[str, Any]], missing: list[int]
         s = states.get(gr)
         who = f"rank {gr}" if pg.ranks[gr] == gr else f"rank {gr} (global {pg.ranks[gr]})"
         if s is None:
-            lines.append(f"  {who}: no answer within {REPORT_WAIT:.0f} s (dead, or stuck outside Python)")
+            lines.append(f"  {who}: no answer within {REPORT_WAIT:.0f} s "
+                         "(dead, or stuck outside Python)")
             continue
         g = s["groups"].get(pg.group_name, {})
         seq, done = g.get("seq", 0), g.get("done", 0)
@@ -257,8 +262,8 @@ def format_report(pg: Any, states: dict[int, dict[str, Any]], missing: list[int]
         lines.insert(1, "  => " + "; ".join(summary))
     if _env.show_stacktraces():        # TORCH_SHOW_CPP_STACKTRACES=1: every rank's stack, in full
         for gr, s in sorted(states.items()):
-            lines.append(f"  stack of rank {gr}:\n" + "".join(f"    {ln}\n" for ln in
-                                                             s.get("stack", "").splitlines()).rstrip())
+            stack = "".join(f"    {ln}\n" for ln in s.get("stack", "").splitlines())
+            lines.append(f"  stack of rank {gr}:\n" + stack.rstrip())
     return "\n".join(lines)
 
 
@@ -270,14 +275,15 @@ def monitored_barrier_error(pg: Any, err: Any, seconds: float | None, wait_all_r
     to wait at all, "Rank 0 timed out in monitoredBarrier after 0 ms".  ringlet's own report
     (every missing rank, where each one is) follows on the next lines."""
     context = dict(getattr(err, "context", {}))
-    missing = [pg.ranks[r] for r in context.get("missing", []) if isinstance(r, int) and 0 <= r < pg.size()]
+    missing = [pg.ranks[r]
+               for r in context.get("missing", []) if isinstance(r, int) and 0 <= r < pg.size()]
     me = pg.ranks[pg.rank()]
     ms = round(1000 * (seconds if seconds is not None else pg.timeout))
     if seconds is not None and seconds <= 0 or (pg.rank() == 0 and not missing):
         head = f"Rank {me} timed out in monitoredBarrier after {ms} ms"
     elif pg.rank() != 0:
-        head = (f"Rank {me} successfully reached monitoredBarrier, but received errors while waiting for "
-                f"send/recv from rank {pg.ranks[0]}")
+        head = (f"Rank {me} successfully reached monitoredBarrier, but received errors while "
+                f"waiting for send/recv from rank {pg.ranks[0]}")
     elif wait_all_ranks:
         head = f"Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in {ms} ms"
     else:
@@ -291,15 +297,17 @@ _DETAIL_BYTES = 1024
 
 
 def detail_check(pg: Any, ctx: Any, result: Any) -> None:
-    """Exchange a description of this call with every rank; raise if any differs (both call sites)."""
+    """Exchange a description of this call with every rank; raise if any
+    differs (both call sites)."""
     import torch
 
     from ringlet.errors import CollectiveMismatchError
     from ringlet.transport.base import OpContext
 
     shapes = [list(t.shape) for t in _tensors(result)] if ctx.op in _SHAPED_OPS else None
-    me = {"op": ctx.op, "seq": ctx.seq, "dtype": str(ctx.dtype), "root": ctx.root, "redop": ctx.redop,
-          "numel": ctx.numel if ctx.op != "all_to_all" else None, "shapes": shapes}
+    me = {"op": ctx.op, "seq": ctx.seq, "dtype": str(ctx.dtype), "root": ctx.root,
+          "redop": ctx.redop, "numel": ctx.numel if ctx.op != "all_to_all" else None,
+          "shapes": shapes}
     blob = json.dumps({**me, "at": ctx.callsite}).encode()[:_DETAIL_BYTES]
     buf = torch.zeros(_DETAIL_BYTES, dtype=torch.uint8)
     buf[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
@@ -314,7 +322,8 @@ def detail_check(pg: Any, ctx: Any, result: Any) -> None:
     keys = ("op", "seq", "dtype", "root", "redop", "numel", "shapes")
     if any(tuple(c.get(k) for k in keys) != tuple(me[k] for k in keys) for c in calls):
         lines = [f"rank {r}: {_describe_call(c)}" for r, c in enumerate(calls)]
-        raise ctx.error(CollectiveMismatchError, "ranks called different collectives (RINGLET_DEBUG=DETAIL):\n  "
+        raise ctx.error(CollectiveMismatchError, "ranks called different collectives "
+                        "(RINGLET_DEBUG=DETAIL):\n  "
                         + "\n  ".join(lines), calls=lines)
 
 
@@ -336,7 +345,8 @@ def _describe_call(c: dict[str, Any]) -> str:
     shapes = c.get("shapes")
     shape = "x".join(map(str, shapes[0])) if shapes else str(c.get("numel"))
     extra = f" root {c['root']}" if c.get("root", -1) >= 0 else ""
-    return f"{c['op']} #{c['seq']} {c['dtype'].replace('torch.', '')}[{shape}]{extra} at {c.get('at') or '?'}"
+    dtype = c["dtype"].replace("torch.", "")
+    return f"{c['op']} #{c['seq']} {dtype}[{shape}]{extra} at {c.get('at') or '?'}"
 
 
 # -- per-group statistics ------------------------------------------------------------------
@@ -344,8 +354,8 @@ def group_stats(pg: Any) -> dict[str, Any]:
     wait_s, late = pg.wait_stats()
     counts = pg.counts()
     return {
-        "group": pg.group_desc, "ranks": pg.ranks, "collectives": sum(counts.values()), "by_op": counts,
-        "elements": pg.elements(), "wait_s": wait_s,
+        "group": pg.group_desc, "ranks": pg.ranks, "collectives": sum(counts.values()),
+        "by_op": counts, "elements": pg.elements(), "wait_s": wait_s,
         "late_s": {pg.ranks[r]: s for r, s in late.items()},
     }
 
@@ -369,7 +379,8 @@ def straggler_lines(stats_by_rank: list[dict[str, Any]]) -> list[str]:
     lines = []
     for r, sec in sorted(blame.items(), key=lambda kv: -kv[1]):
         if sec > 0:
-            lines.append(f"rank {r} arrives {sec / n * 1e3:.1f} ms late on average (over {n} collectives)")
+            lines.append(f"rank {r} arrives {sec / n * 1e3:.1f} ms late on "
+                         f"average (over {n} collectives)")
     for rank, s in enumerate(stats_by_rank):
         if s["interval_s"] > 0:
             lines.append(f"rank {rank}: waiting is {100 * s['wait_share']:.0f}% of the "

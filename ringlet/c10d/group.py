@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ringlet._heartbeat import beat
-from ringlet.c10d import faults
+from ringlet.c10d import _cuda, faults
 from ringlet.c10d.pg_methods import TorchGroupMethods
 from ringlet.c10d.work import Executor, Work
 from ringlet.errors import CollectiveTimeoutError, DistBackendError, GroupAbortedError
@@ -81,6 +81,9 @@ class ProcessGroup(TorchGroupMethods):
         self.detail_check = detail_check
         self.destroyed = False
         self.created = time.monotonic()   # the straggler reports' first interval starts here
+        # CUDA tensors are looked for only where the transport serves them ([Note: CUDA streams]).
+        self._accel = _cuda.serves(transport)
+        self._device_streams: dict[Any, Any] = {}    # device -> this group's side stream
 
     # -- torch's accessors ----------------------------------------------------------------
     def rank(self) -> int:
@@ -162,12 +165,17 @@ class ProcessGroup(TorchGroupMethods):
         self._history.append(ctx)
         if self.detail_check is not None:
             fn = self._with_detail_check(fn, ctx, result)
+        device = _cuda.device_of(result, inputs) if self._accel else None
+        if device is not None:
+            if device.type in self.transport.stream_ordered:
+                return _cuda.issue(self, fn, ctx, result, async_op, guard, device, inputs)
+            fn = _cuda.staged(self, fn, device)
         profiling = torch._C._autograd._profiler_enabled()
         if not async_op and not profiling and self._executor.pending == 0:
             self._call(fn, guard)
             self._done = ctx.seq
             return None
-        work = Work(result, op=f"{ctx.op} #{ctx.seq}", bound=self.timeout)
+        work = Work(result, op=f"{ctx.op} #{ctx.seq}", bound=self.timeout, device=device)
         if profiling:
             self._begin_event(f"{self.backend}:{label or op}", result if inputs is None else inputs, work)
         self._executor.submit(lambda: self._call_queued(fn, ctx), work)
@@ -206,12 +214,17 @@ class ProcessGroup(TorchGroupMethods):
     def run_p2p(self, fn: Callable[[Work], None], peer: int, direction: str, ctx: OpContext,
                 result: Any, label: str | None = None) -> Work:
         """Queue a send/recv on the (peer, direction) thread; returns its Work."""
+        device = _cuda.device_of(result) if self._accel else None
+        if device is not None:
+            if device.type in self.transport.stream_ordered:
+                return _cuda.issue_p2p(self, fn, ctx, result, device)
+            fn = _cuda.staged(self, fn, device)
         key = (peer, direction)
         with self._p2p_lock:
             ex = self._p2p.get(key)
             if ex is None:
                 ex = self._p2p[key] = Executor(f"ringlet-{self.group_desc}-{direction}-{peer}")
-        work = Work(result, op=f"{ctx.op} peer {peer}", bound=self.timeout)
+        work = Work(result, op=f"{ctx.op} peer {peer}", bound=self.timeout, device=device)
         if torch._C._autograd._profiler_enabled():
             self._begin_event(f"{self.backend}:{label or ctx.op}", result, work)
         ex.submit(lambda: self._call(lambda: fn(work), False), work)

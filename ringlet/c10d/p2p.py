@@ -52,13 +52,14 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: 
     data = checks.contiguous_input(t)
     ctx = _p2p_ctx(pg, "send", peer, t)
     tr = pg.transport
-    return _call.launch_p2p(pg, "send", lambda work: tr.send(data, peer, tg, ctx), peer, "send", ctx,
-                            [data])
+    return _call.launch_p2p(pg, "send", lambda work: tr.send(data, peer, tg, ctx), peer, "send",
+                            ctx, [data])
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
           group_src: int | None = None) -> Work | None:
-    """Receive into ``tensor`` from ``src`` (None: any rank) asynchronously; returns a :class:`Work`."""
+    """Receive into ``tensor`` from ``src`` (None: any rank) asynchronously;
+    returns a :class:`Work`."""
     pg = _call.resolve(group, "irecv")
     if pg is None:
         return None
@@ -141,9 +142,10 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
                           f"expected a non-empty list of P2POp, got {p2p_op_list!r}")
     for i, p in enumerate(p2p_op_list):
         if not isinstance(p, P2POp):      # torch's ValueError and text first: scripts catch them
-            raise ValueError("Invalid ``p2p_op_list``. Each op is expected to be a ``P2POp``: " + str(  # noqa: TRY004
-                checks.fail(ValueError, "batch_isend_irecv", f"p2p_op_list[{i}]",
-                            f"expected a P2POp, got {type(p).__name__}")))
+            ours = checks.fail(ValueError, "batch_isend_irecv", f"p2p_op_list[{i}]",
+                               f"expected a P2POp, got {type(p).__name__}")
+            raise ValueError(  # noqa: TRY004
+                f"Invalid ``p2p_op_list``. Each op is expected to be a ``P2POp``: {ours}")
         _check_op(p, i)
     works: list[Work] = []
     for p in p2p_op_list:
@@ -169,8 +171,8 @@ def recv_one(tensor: torch.Tensor, src: Any, group: Any, group_src: Any, use_bat
     if not use_batch:
         return recv(tensor, src, group, group_src=group_src)
     if src is None and group_src is None:
-        raise checks.fail(ValueError, "recv_object_list", "src", "expected a rank with use_batch=True "
-                          "(a batched receive names its peer), got None")
+        raise checks.fail(ValueError, "recv_object_list", "src", "expected a rank with "
+                          "use_batch=True (a batched receive names its peer), got None")
     (work,) = batch_isend_irecv([P2POp(irecv, tensor, src, group, group_peer=group_src)])
     work.wait()
     return work._src

@@ -175,9 +175,12 @@ class TorchGroupMethods:
         """torch's name for a bounded teardown of this group (``destroy``)."""
         self.destroy()  # type: ignore[attr-defined]
 
+    bound_device: Any = None     # init_process_group(device_id=...) (set on every group)
+
     @property
-    def bound_device_id(self) -> None:
-        return None
+    def bound_device_id(self) -> Any:
+        """The device given as ``device_id`` to ``init_process_group`` (None if none)."""
+        return self.bound_device
 
     def _get_backend_name(self) -> str:
         return self.backend  # type: ignore[attr-defined,no-any-return]

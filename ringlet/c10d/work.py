@@ -36,7 +36,8 @@ class Work:
         work.wait()
     """
 
-    def __init__(self, result: Any = None, op: str = "?", bound: float = 300.0) -> None:
+    def __init__(self, result: Any = None, op: str = "?", bound: float = 300.0,
+                 device: torch.device | None = None) -> None:
         self._done = threading.Event()
         self._exc: BaseException | None = None
         self._result = result
@@ -45,6 +46,9 @@ class Work:
         self._op = op
         self._bound = bound      # seconds the op may take after it started (its timeout)
         self._src = -1
+        # A CUDA op's future is CUDA-aware: its callbacks and waits follow the op on the streams
+        # ([Note: CUDA streams] in _cuda.py).
+        self._devices = [device] if device is not None and device.type == "cuda" else None
 
     # -- completion (called by the executor) -------------------------------------------
     def _complete(self, exc: BaseException | None = None) -> None:
@@ -99,7 +103,8 @@ class Work:
     def get_future(self) -> torch.futures.Future:
         with self._lock:
             if self._future is None:
-                self._future = torch.futures.Future()
+                self._future = (torch.futures.Future(devices=self._devices) if self._devices
+                                else torch.futures.Future())
                 if self._done.is_set():
                     self._fire(self._future)
             return self._future

@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from ringlet import _env
-from ringlet.c10d import debug
+from ringlet.c10d import _cuda, debug
 from ringlet.c10d.group import ProcessGroup
 from ringlet.c10d.rendezvous import check_ranks, rendezvous, store_from_init_method
 from ringlet.transport import select
@@ -64,6 +64,7 @@ class _World:
     owns_store: bool = False
     watchdog: Any = None
     meshes: list[Any] = dataclasses.field(default_factory=list)   # weakrefs to root DeviceMeshes
+    device: Any = None              # init_process_group(device_id=...): the bound CUDA device
 
 
 _process_world: list[_World | None] = [None]
@@ -209,6 +210,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             ``WORLD_SIZE``), ``tcp://host:port`` or ``file:///path``.
         timeout: deadline of every blocking call (default ``RINGLET_TIMEOUT`` or 300 s).
         store: a ready store (then ``rank`` and ``world_size`` are required).
+        device_id: the CUDA device of this process (a ``torch.device`` or an index): it becomes
+            the current device and every group's ``bound_device_id`` (docs/gpu.md).
 
     Raises:
         ValueError: bad configuration, naming the field and the ranks involved.
@@ -226,6 +229,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     name = select.parse_backend(backend)
     seconds = _timeout_seconds(timeout)
     td = timedelta(seconds=seconds)
+    bound = _cuda.bind_device(device_id, "init_process_group")
     owns = store is None
     if store is None:
         store, rank, world_size = store_from_init_method(init_method, rank, world_size, td)
@@ -238,7 +242,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     count = _next_init_count(store, rank)
     root = PrefixStore(f"ringlet/{_env.run_prefix()}init{count}", store)
     hosts = rendezvous(root, rank, world_size, name, seconds)
-    w = _World(rank, world_size, root, name, "", seconds, hosts, raw_store=store, owns_store=owns)
+    w = _World(rank, world_size, root, name, "", seconds, hosts, raw_store=store, owns_store=owns,
+               device=bound)
     w.default_pg = _make_group(w, list(range(world_size)), "default_pg", name, backend, seconds,
                                "default_pg")
     w.backend_name = w.default_pg.backend
@@ -262,6 +267,7 @@ def _make_group(w: _World, ranks: list[int], gid: str, spec: str, given: str | N
                       transport_name=resolved,
                       hang_reporter=lambda g, err: debug.hang_report(w.store, g, err),
                       detail_check=debug.detail_check if debug.detail_enabled() else None)
+    pg.bound_device = w.device
     w.groups.append(pg)
     return pg
 

@@ -38,7 +38,7 @@ def _square_q(state: PowerSGDState, index: int, side: int, rank: int, like: torc
     if state.warm_start and q is not None and q.shape == (side, rank) and q.dtype == like.dtype:
         return q
     gen = torch.Generator().manual_seed(state.rng.randrange(1_000_000_000))   # same draw on every rank
-    q = torch.randn(side, rank, generator=gen, dtype=torch.float32).to(like.dtype)
+    q = torch.randn(side, rank, generator=gen, dtype=torch.float32).to(like.device, like.dtype)
     if state.warm_start:
         state.q_memory_dict[index] = q
     return q

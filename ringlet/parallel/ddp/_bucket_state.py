@@ -62,9 +62,10 @@ class Bucket:
     """One bucket: its plan, its buffer, and the state of its reduction in this iteration."""
 
     def __init__(self, index: int, plan: BucketPlan, params: Sequence[torch.Tensor],
-                 memory: BucketMemory | None = None) -> None:
+                 memory: BucketMemory | None = None, device: torch.device | None = None) -> None:
         self.index = index
         self.plan = plan
+        self.device = device                          # the module's (None: the CPU)
         self._shapes = [params[i].shape for i in plan.indices]
         self._memory = memory
         self._own: torch.Tensor | None = None         # the flat buffer (lazy for solo buckets)
@@ -83,7 +84,7 @@ class Bucket:
         if self._own is None:
             mem = self._memory
             if mem is None:
-                self._own = torch.zeros(self.plan.numel, dtype=self.plan.dtype)
+                self._own = torch.zeros(self.plan.numel, dtype=self.plan.dtype, device=self.device)
             else:
                 self._own = mem.alloc(self.plan.numel, self.plan.dtype)
                 self.shared = mem.shared(self._own)
@@ -141,9 +142,11 @@ class Layout:
     """Buckets for ``params`` and each parameter's slot (see the module docstring)."""
 
     def __init__(self, params: Sequence[torch.Tensor], cap_bytes: int, as_view: bool,
-                 caps: Sequence[int] | None = None, memory: BucketMemory | None = None) -> None:
+                 caps: Sequence[int] | None = None, memory: BucketMemory | None = None,
+                 device: torch.device | None = None) -> None:
         self.params = params
         self.memory = memory
+        self.device = device          # where buffers live (a GPU module's device; None: CPU)
         self.cap_bytes = cap_bytes
         self.caps = list(caps) if caps else None      # per-bucket caps (bucket_cap_mb_list)
         self.as_view = as_view
@@ -166,7 +169,8 @@ class Layout:
             return False
         old = [self.slot(i) if self.buckets and not self.bucket_of(i).plan.solo else None
                for i in range(len(self.params))]
-        self.buckets = [Bucket(k, plan, self.params, self.memory) for k, plan in enumerate(plans)]
+        self.buckets = [Bucket(k, plan, self.params, self.memory, self.device)
+                        for k, plan in enumerate(plans)]
         where = [(0, 0)] * len(self.params)
         for b in self.buckets:
             for m, i in enumerate(b.plan.indices):

@@ -76,14 +76,16 @@ class BucketPlan:
         return self.numel * self.dtype.itemsize
 
     def __repr__(self) -> str:
-        return f"BucketPlan({str(self.dtype).removeprefix('torch.')}, params {list(self.indices)}, {self.nbytes} B)"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"BucketPlan({dtype}, params {list(self.indices)}, {self.nbytes} B)"
 
 
 def cap_bytes_from_mb(bucket_cap_mb: float | None) -> int:
     """``bucket_cap_mb`` (MiB, None = 25) as bytes; raises ``ValueError`` for a negative cap."""
     mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
     if not isinstance(mb, (int, float)) or mb < 0:
-        raise ValueError(f"DistributedDataParallel: expected bucket_cap_mb >= 0 (MiB), got {bucket_cap_mb!r}")
+        raise ValueError("DistributedDataParallel: expected bucket_cap_mb >= 0 "
+                         f"(MiB), got {bucket_cap_mb!r}")
     return int(mb * (1 << 20))
 
 
@@ -101,7 +103,8 @@ def complete_order(observed: Sequence[int], num_params: int) -> list[int]:
     seen = set()
     for i in observed:
         if not 0 <= i < num_params:
-            raise ValueError(f"bucket order: expected parameter indices in [0, {num_params}), got {i}")
+            raise ValueError("bucket order: expected parameter indices in "
+                             f"[0, {num_params}), got {i}")
         if i in seen:
             raise ValueError(f"bucket order: expected each parameter once, got {i} twice")
         seen.add(i)
@@ -110,7 +113,8 @@ def complete_order(observed: Sequence[int], num_params: int) -> list[int]:
 
 def plan_buckets(numels: Sequence[int], dtypes: Sequence[torch.dtype], order: Sequence[int],
                  cap_bytes: int, first_cap_bytes: int = FIRST_BUCKET_BYTES,
-                 solo_bytes: int | None = None, caps: Sequence[int] | None = None) -> list[BucketPlan]:
+                 solo_bytes: int | None = None,
+                 caps: Sequence[int] | None = None) -> list[BucketPlan]:
     """Assign parameters to buckets.
 
     Args:
@@ -140,9 +144,11 @@ def plan_buckets(numels: Sequence[int], dtypes: Sequence[torch.dtype], order: Se
     if len(dtypes) != n:
         raise ValueError(f"plan_buckets: expected one dtype per parameter ({n}), got {len(dtypes)}")
     if sorted(order) != list(range(n)):
-        raise ValueError(f"plan_buckets: expected order to be a permutation of range({n}), got {list(order)}")
+        raise ValueError("plan_buckets: expected order to be a permutation of "
+                         f"range({n}), got {list(order)}")
     if caps is not None and (not caps or min(caps) < 0):
-        raise ValueError(f"plan_buckets: caps: expected a non-empty list of sizes >= 0, got {list(caps)}")
+        raise ValueError("plan_buckets: caps: expected a non-empty list of "
+                         f"sizes >= 0, got {list(caps)}")
     solo = (min(max(caps), first_cap_bytes) if caps else min(cap_bytes, first_cap_bytes)) \
         if solo_bytes is None else solo_bytes
     position = {i: k for k, i in enumerate(order)}

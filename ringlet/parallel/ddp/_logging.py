@@ -4,7 +4,7 @@ torch's DDP keeps a C++ ``Logger`` whose fields scripts and tests read by name; 
 same names where they mean the same thing here:
 
 - configuration: ``world_size``, ``rank``, ``module_name``, ``backend_name``, ``device_ids``
-  (``""``), ``output_device`` (-1), ``broadcast_buffers``, ``bucket_cap_bytes``,
+  (``""`` for a CPU module), ``output_device`` (-1 for a CPU module), ``broadcast_buffers``, ``bucket_cap_bytes``,
   ``find_unused_parameters``, ``gradient_as_bucket_view``, ``static_graph``, ``dtypes``,
   ``total_parameter_size_bytes``, ``num_parameter_tensors``, ``bucket_sizes`` (bytes per
   bucket at construction), the environment (``master_addr``, ``master_port``,
@@ -59,7 +59,9 @@ class DDPLogging:
         params = reducer.params
         d = self.data
         d.update(world_size=ddp.process_group.size(), rank=ddp.process_group.rank(),
-                 module_name=type(ddp.module).__name__, device_ids="", output_device=-1,
+                 module_name=type(ddp.module).__name__,
+                 device_ids=" ".join(map(str, ddp.device_ids or [])),
+                 output_device=-1 if ddp.output_device is None else ddp.output_device,
                  broadcast_buffers=int(ddp.broadcast_buffers), bucket_cap_bytes=ddp.bucket_bytes_cap,
                  find_unused_parameters=int(ddp.find_unused_parameters),
                  gradient_as_bucket_view=int(ddp.gradient_as_bucket_view), static_graph=int(ddp.static_graph),

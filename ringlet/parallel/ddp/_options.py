@@ -18,6 +18,7 @@ import torch
 from ringlet.c10d.world import resolve_group
 from ringlet.dtensor import DTensor
 from ringlet.parallel.ddp._buckets import cap_bytes_from_mb
+from ringlet.parallel.ddp._cuda import DevicePlan, plan_devices
 
 __all__ = ["bucket_caps", "buffer_sync", "check_devices", "pick_group", "refuse_dtensor_buffers",
            "refuse_unsupported"]
@@ -103,13 +104,16 @@ def pick_group(process_group: Any, device_mesh: Any) -> Any:
     return pg
 
 
-def check_devices(named_params: Sequence[tuple[str, torch.Tensor]], device_ids: Any, output_device: Any) -> None:
-    devices = {p.device for _, p in named_params}
-    bad = sorted(str(d) for d in devices if d.type != "cpu")
-    if bad:
-        raise ValueError(f"DistributedDataParallel: expected CPU parameters (ringlet's transports serve "
-                         f"CPU tensors), got parameters on {bad}")
-    if device_ids or output_device is not None:
-        raise ValueError(f"DistributedDataParallel: device_ids and output_device only work with GPU modules; "
-                         f"expected None for a CPU module, got device_ids {device_ids}, output_device "
-                         f"{output_device}")
+def check_devices(named_params: Sequence[tuple[str, torch.Tensor]], device_ids: Any,
+                  output_device: Any) -> DevicePlan:
+    """torch's rules for ``device_ids``/``output_device`` (``ddp/_cuda.py``); one device only.
+
+    Raises:
+        ValueError: ids that do not fit the module, or parameters on several devices.
+    """
+    plan = plan_devices((p.device for _, p in named_params), device_ids, output_device)
+    devices = sorted({str(p.device) for _, p in named_params})
+    if len(devices) > 1:
+        raise ValueError(f"DistributedDataParallel: expected every parameter on one device, got "
+                         f"parameters on {devices}; move the module with module.to(device) first")
+    return plan

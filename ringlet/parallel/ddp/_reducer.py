@@ -51,6 +51,7 @@ from ringlet.errors import DistError
 from ringlet.parallel.ddp import _graph
 from ringlet.parallel.ddp._bucket_state import Bucket, BucketMemory, Layout
 from ringlet.parallel.ddp._buckets import complete_order
+from ringlet.parallel.ddp._cuda import aux_device
 from ringlet.parallel.ddp._grad_bucket import GradBucket
 
 __all__ = ["Phase", "Reducer", "ReductionStats", "traced"]
@@ -93,11 +94,17 @@ class Reducer:
 
     def __init__(self, params: list[torch.Tensor], names: list[str], pg: Any, *, cap_bytes: int,
                  gradient_as_bucket_view: bool, find_unused_parameters: bool, static_graph: bool,
-                 skip_all_reduce_unused_params: bool = False, caps: list[int] | None = None) -> None:
+                 skip_all_reduce_unused_params: bool = False, caps: list[int] | None = None,
+                 device: torch.device | None = None) -> None:
         self.params = params
         self.names = names
         self.pg = pg
-        self.layout = Layout(params, cap_bytes, gradient_as_bucket_view, caps, _bucket_memory(pg))
+        on_cpu = device is None or device.type == "cpu"
+        # A GPU module's buckets live on its device; its bookkeeping tensors (used-map, bucket
+        # order) where the group serves them (ddp/_cuda.py).
+        self.layout = Layout(params, cap_bytes, gradient_as_bucket_view, caps,
+                             _bucket_memory(pg) if on_cpu else None, None if on_cpu else device)
+        self._aux = None if on_cpu else aux_device(pg, device)
         self.find_unused = find_unused_parameters
         self.static_graph = static_graph
         self.skip_unused = skip_all_reduce_unused_params
@@ -281,7 +288,7 @@ class Reducer:
         second iteration).  Returns whether the layout changed.
         """
         n = len(self.params)
-        order = torch.full((n,), -1, dtype=torch.int64)
+        order = torch.full((n,), -1, dtype=torch.int64, device=self._aux)
         if self.pg.rank() == src and self.observed:
             order[:len(self.observed)] = torch.tensor(self.observed, dtype=torch.int64)
         with self.annotate("bucket rebuild"):
@@ -296,7 +303,7 @@ class Reducer:
         with self.annotate("joined rank's shadow all-reduce"):
             handles = []
             for b in self.layout.buckets:
-                zeros = torch.zeros(b.plan.numel, dtype=b.plan.dtype)
+                zeros = torch.zeros(b.plan.numel, dtype=b.plan.dtype, device=self.layout.device)
                 if self.comm_hook is not None:
                     state, hook = self.comm_hook
                     params = [self.params[i] for i in b.plan.indices]
@@ -305,8 +312,8 @@ class Reducer:
                     handles.append(hook(state, gb))
                 else:
                     handles.append(all_reduce(zeros, op=self._reduce_op(True), group=self.pg, async_op=True))
-            local = torch.full((len(self.params),), _JOINED, dtype=torch.uint8)
-            table = torch.empty(self.pg.size() * local.numel(), dtype=torch.uint8)
+            local = torch.full((len(self.params),), _JOINED, dtype=torch.uint8, device=self._aux)
+            table = torch.empty(self.pg.size() * local.numel(), dtype=torch.uint8, device=self._aux)
             handles.append(all_gather_into_tensor(table, local, group=self.pg, async_op=True))
             for h in handles:
                 h.wait()
@@ -338,8 +345,9 @@ class Reducer:
                 self.layout.bucket_of(i).pending -= 1
         self._launch_ready()
         self.used_last = [f or u for f, u in zip(self._fired, self._used_since_sync)]
-        local = torch.tensor([_USED if u else _NOT_USED for u in self.used_last], dtype=torch.uint8)
-        table = torch.empty(self.pg.size() * local.numel(), dtype=torch.uint8)
+        local = torch.tensor([_USED if u else _NOT_USED for u in self.used_last], dtype=torch.uint8,
+                             device=self._aux)
+        table = torch.empty(self.pg.size() * local.numel(), dtype=torch.uint8, device=self._aux)
         work = all_gather_into_tensor(table, local, group=self.pg, async_op=True)
         divisor = self._join_divisor()
         # Copy each bucket out as soon as it is reduced, while later buckets are still in flight.

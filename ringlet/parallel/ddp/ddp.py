@@ -19,6 +19,7 @@ from torch import nn
 
 from ringlet.c10d import ReduceOp, all_reduce
 from ringlet.parallel.ddp import _checks, _options, _tp
+from ringlet.parallel.ddp._cuda import move_to
 from ringlet.parallel.ddp._join import DDPJoinHook, Join, Joinable
 from ringlet.parallel.ddp._logging import DDPLogging
 from ringlet.parallel.ddp._reducer import Phase, Reducer, traced
@@ -30,9 +31,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism: replicate ``module`` on every rank, average gradients in backward.
 
     Args:
-        module: the model (CPU parameters).
-        device_ids, output_device, dim: for GPU modules in torch; a CPU module takes
-            ``device_ids=None`` (other values raise ``ValueError``).
+        module: the model, its parameters on one device (the CPU, or one GPU: docs/gpu.md).
+        device_ids: ``None``, or for a CUDA module ``[i]``, its device: ``forward`` then moves
+            its tensor arguments to ``cuda:i``.  A CPU module takes ``None``.
+        output_device: for a CUDA module, the device index of the outputs (default
+            ``device_ids[0]``; outputs stay where the module puts them, as in torch).
+        dim: accepted for torch's signature (the batch dim of DataParallel's scatter).
         broadcast_buffers: deprecated (torch 2.13): ``forward_sync_buffers``, except that ``False``
             also leaves buffers out of the construction-time sync (``FutureWarning``).
         init_sync: broadcast rank 0's parameters and buffers at construction.
@@ -101,13 +105,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         named_params = [(n, p) for n, p in module.named_parameters() if n not in ignore]
         named_buffers = [(n, b) for n, b in module.named_buffers() if n not in ignore]
         _options.refuse_dtensor_buffers(named_buffers)
-        _options.check_devices(named_params, device_ids, output_device)
+        plan = _options.check_devices(named_params, device_ids, output_device)
         trained = [(n, p) for n, p in named_params if p.requires_grad]
         if not trained:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
                                "parameter that requires a gradient.")
-        self.device_ids = None
-        self.output_device = output_device
+        self.device_ids = plan.device_ids          # [i] for a GPU module that named its device
+        self.output_device = plan.output_device
+        self.device = plan.device
+        self.device_type = plan.device.type if plan.device is not None else "cpu"
         self.dim = dim
         self.batched_grad_copy = bool(batched_grad_copy)
         self.find_unused_parameters = find_unused_parameters
@@ -146,7 +152,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             [p for _, p in trained], [n for n, _ in trained], self.process_group, cap_bytes=self.bucket_bytes_cap,
             gradient_as_bucket_view=self.gradient_as_bucket_view, find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph, skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
-            caps=self.bucket_bytes_cap_list or None)
+            caps=self.bucket_bytes_cap_list or None, device=self.device)
         self.reducer.on_finalized = self._logging.reduction_done
         self.reducer.on_error = self._logging.log_error
 
@@ -158,6 +164,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             join_work = self._pre_forward(sync) if training else None
             if training:
                 self._logging.forward_start()
+            if self.device_ids:            # torch moves the inputs to device_ids[0]
+                inputs, kwargs = move_to((inputs, kwargs), self.device)
             out = self.module(*inputs, **kwargs)
             if training:
                 self._logging.forward_end()

@@ -13,6 +13,12 @@ A fresh multi-MiB CPU allocation is an ``mmap`` whose pages fault in on first to
 ``MALLOC_MMAP_THRESHOLD_`` set, as in our benchmarks, every large one): measured here, a
 7 MB copy into a fresh buffer costs 4-5x a copy into a reused one.  A buffer goes back to
 the pool only after its Work completed, so no transport still reads or writes it.
+
+On groups with a buffer heap (``shm``, ``auto`` on one host) the pool allocates the gathered
+buffers and the reduce-scatter inputs with ``comm_buffer``: the all-gather then writes every
+rank's shard straight into every output and the reduce-scatter reads the peers' inputs where
+they are, with no copy through the transport's slots ([Note: in-place collectives] in
+``ringlet/transport/arena_inplace.py``).  Free buffers are kept per group for that reason.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ringlet.c10d.buffers import comm_buffer
 from ringlet.c10d.collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
 from ringlet.c10d.group import ProcessGroup
 from ringlet.c10d.reduce_op import ReduceOp, _make_nccl_premul_sum
@@ -41,29 +48,46 @@ __all__ = [
 ]
 
 
+_Key = tuple[torch.dtype, torch.device, int]
+
+
 class BufferPool:
-    """Free flat buffers per (dtype, device), at most ``max_free`` of each (see [Note: buffer reuse]).
+    """Free flat buffers per (dtype, device, group), at most ``max_free`` of each (see
+    [Note: buffer reuse]).
 
     ``take`` hands out the smallest free buffer that is large enough (a prefix view of it), so
-    a root's larger buffers also serve its blocks; ``give`` takes back such a view.
+    a root's larger buffers also serve its blocks; ``give`` takes back such a view.  With a
+    ``group``, new CPU buffers are that group's ``comm_buffer``s.
     """
 
     def __init__(self, max_free: int = 3) -> None:
         self.max_free = max_free
-        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._free: dict[_Key, list[torch.Tensor]] = {}
+        self._lent: dict[int, tuple[_Key, torch.Tensor]] = {}   # data_ptr -> (key, pooled buffer)
 
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        free = self._free.get((dtype, device))
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device,
+             group: Any = None) -> torch.Tensor:
+        key = (dtype, device, id(group) if group is not None else 0)
+        free = self._free.get(key)
+        best = None
         if free:
             fits = [i for i, t in enumerate(free) if t.numel() >= numel]   # by index: == on tensors is elementwise
             if fits:
                 best = free.pop(min(fits, key=lambda i: free[i].numel()))
-                return best[:numel]
-        return torch.empty(numel, dtype=dtype, device=device)
+        if best is None:
+            on_cpu = torch.device(device).type == "cpu"
+            best = (comm_buffer(numel, dtype, group=group).view(-1) if group is not None and on_cpu
+                    else torch.empty(numel, dtype=dtype, device=device))
+        if best.numel():
+            self._lent[best.data_ptr()] = (key, best)
+        return best if best.numel() == numel else best[:numel]
 
     def give(self, t: torch.Tensor) -> None:
-        base = t if t._base is None else t._base
-        free = self._free.setdefault((base.dtype, base.device), [])
+        key, base = self._lent.pop(t.data_ptr(), (None, None))
+        if base is None:
+            base = t if t._base is None else t._base
+            key = (base.dtype, base.device, 0)
+        free = self._free.setdefault(key, [])
         if any(x is base for x in free):
             return
         if len(free) < self.max_free:
@@ -125,20 +149,24 @@ class ReduceScatter:
 
 
 def start_all_gather(shard_buffer: torch.Tensor, dtype: torch.dtype, layout: GroupLayout, pg: ProcessGroup,
-                     async_op: bool, pool: BufferPool, comm: Any = None) -> AllGather:
+                     async_op: bool, pool: BufferPool, comm: Any = None,
+                     device: torch.device | None = None) -> AllGather:
     """All-gather the shard buffers (cast to ``dtype`` for mixed precision) into a rank-major buffer.
 
     ``shard_buffer`` may also be a post-forward shard (a block of the rank-major buffer, with
     ``pg`` the smaller group that holds the other blocks): any source whose pieces, gathered over
-    ``pg`` in group-rank order, make up the rank-major buffer.
+    ``pg`` in group-rank order, make up the rank-major buffer.  ``device``: where to gather when
+    the shards live elsewhere (offloaded to the CPU: [Note: FSDP devices] in ``_device.py``).
     """
-    device = shard_buffer.device
-    cast = shard_buffer.dtype != dtype
-    source = pool.take(shard_buffer.numel(), dtype, device).copy_(shard_buffer) if cast else shard_buffer
+    device = device or shard_buffer.device
+    moved = shard_buffer.device != device
+    cast = shard_buffer.dtype != dtype or moved
+    source = (pool.take(shard_buffer.numel(), dtype, device).copy_(shard_buffer, non_blocking=moved)
+              if cast else shard_buffer)
     if comm is not None:
         gathered = comm.allocate((layout.gathered_numel,), dtype=dtype, device=device)
         return AllGather(comm(gathered, source, pg, async_op=async_op), gathered, source, False, cast)
-    gathered = pool.take(layout.gathered_numel, dtype, device)
+    gathered = pool.take(layout.gathered_numel, dtype, device, group=pg)
     work = all_gather_into_tensor(gathered, source, group=pg, async_op=async_op)
     return AllGather(work, gathered, source, True, cast)
 
@@ -203,7 +231,7 @@ def start_reduce_scatter(grads: Sequence[torch.Tensor | None], layout: GroupLayo
         copy_in_grads(source, grads, layout)
         work = comm(output, source, pg, op, async_op=True)
         return ReduceScatter(work, source, output, with_grad, post_scale, pooled=False)
-    source = pool.take(layout.gathered_numel, dtype, device)
+    source = pool.take(layout.gathered_numel, dtype, device, group=pg)
     copy_in_grads(source, grads, layout)
     work = reduce_scatter_tensor(output, source, op=op, group=pg, async_op=True)
     return ReduceScatter(work, source, output, with_grad, post_scale)

@@ -1,4 +1,5 @@
-"""fully_shard's set-up: which parameters a call manages, where they are registered, the first sharding."""
+"""fully_shard's set-up: which parameters a call manages, where they are
+registered, the first sharding."""
 
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ def _managed_below(module: nn.Module) -> set[int]:
     return ids
 
 
-def collect_params(module: nn.Module, ignored: set[nn.Parameter]) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]],
-                                                                               list[str]]]:
-    """The parameters this call manages, in ``named_parameters`` order, each with its owners and names.
+def collect_params(module: nn.Module, ignored: set[nn.Parameter],
+                   ) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]]:
+    """The parameters this call manages, in ``named_parameters`` order, each
+    with its owners and names.
 
     A parameter registered on several modules (tied weights) appears once, with every owner.
     """
@@ -61,8 +63,8 @@ def _shard_dim(fn: Callable[[nn.Parameter], Any] | None, p: nn.Parameter, fqn: s
     if placement is None:
         return 0
     if not isinstance(placement, Shard):
-        raise TypeError(f"fully_shard: shard_placement_fn({fqn}): expected None or a Shard placement, "
-                        f"got {placement!r}")
+        raise TypeError(f"fully_shard: shard_placement_fn({fqn}): expected None or a Shard "
+                        f"placement, got {placement!r}")
     dim = placement.dim
     return dim + p.dim() if dim < 0 else dim
 
@@ -91,16 +93,17 @@ def build_group(modules: list[nn.Module], mesh_info: MeshInfo, mp_policy: MixedP
     name = "+".join(type(m).__name__ for m in modules)
     for p, _, fqns in entries:
         if p.dim() == 0:
-            raise ValueError(f"fully_shard({name}): {fqns[0]}: expected a parameter with at least 1 dim, got a "
-                             f"scalar; make it a 1-d tensor of 1 element")
+            raise ValueError(f"fully_shard({name}): {fqns[0]}: expected a parameter with at least "
+                             "1 dim, got a scalar; make it a 1-d tensor of 1 element")
     dtypes = {p.dtype for p, _, _ in entries}
     devices = {p.device.type for p, _, _ in entries}
     if len(dtypes) > 1 or len(devices) > 1:
-        raise ValueError(f"fully_shard({name}): expected one dtype and one device per group, got dtypes "
-                         f"{sorted(map(str, dtypes))} and devices {sorted(devices)}; call fully_shard on the "
-                         f"submodules that differ first")
+        raise ValueError(f"fully_shard({name}): expected one dtype and one device per group, got "
+                         f"dtypes {sorted(map(str, dtypes))} and devices {sorted(devices)}; call "
+                         "fully_shard on the submodules that differ first")
     if devices - {"cpu", "meta"}:
-        raise ValueError(f"fully_shard({name}): expected parameters on 'cpu' or 'meta', got {devices.pop()!r}")
+        raise ValueError(f"fully_shard({name}): expected parameters on 'cpu' or "
+                         f"'meta', got {devices.pop()!r}")
     dims = [_shard_dim(shard_placement_fn, p, fqns[0]) for p, _, fqns in entries]
     tps = [_tp_of(p, mesh_info, d, f"{name}.{fqns[0]}") for (p, _, fqns), d in zip(entries, dims)]
     locals_ = [p._local_tensor if isinstance(p, DTensor) else p for p, _, _ in entries]
@@ -109,11 +112,14 @@ def build_group(modules: list[nn.Module], mesh_info: MeshInfo, mp_policy: MixedP
     shard_buffer = torch.zeros(layout.shard_numel, dtype=p0.dtype, device=p0.device)
     params = []
     with torch.no_grad():
-        for i, ((p, owners, fqns), spec, local, tp) in enumerate(zip(entries, layout.specs, locals_, tps)):
+        rows = zip(entries, layout.specs, locals_, tps)
+        for i, ((p, owners, fqns), spec, local, tp) in enumerate(rows):
             fp = FSDPParam(i, spec, owners, fqns, p.requires_grad, mesh_info, tp)
-            fp.home = homes[i]   # the fully_shard module whose state dict names it (fqns are relative to it)
+            # the fully_shard module whose state dict names it (fqns are relative to it)
+            fp.home = homes[i]
             if p.device.type != "meta":
-                fp.local_view(shard_buffer).copy_(shard_of(local.detach(), spec, mesh_info.shard_rank))
+                fp.local_view(shard_buffer).copy_(shard_of(local.detach(), spec,
+                                                           mesh_info.shard_rank))
             fp.bind_sharded(shard_buffer)
             fp.register(fp.sharded_param)
             params.append(fp)
@@ -127,7 +133,8 @@ def _tp_of(p: nn.Parameter, mesh_info: MeshInfo, dim: int, fqn: str) -> TPLayout
 
 
 def normalize_reshard_after_forward(value: Any, shard_size: int, where: str) -> bool | int | None:
-    """``None``/bool pass through; an int is a post-forward world size: 1 means False, the full size True,
+    """``None``/bool pass through; an int is a post-forward world size: 1 means
+    False, the full size True,
     a proper divisor stays an int ([Note: resharding to a smaller group] in ``_param_group``).
 
     Raises:
@@ -137,10 +144,11 @@ def normalize_reshard_after_forward(value: Any, shard_size: int, where: str) -> 
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
-        raise TypeError(f"{where}: reshard_after_forward: expected None, a bool or an int, got {value!r}")
+        raise TypeError(f"{where}: reshard_after_forward: expected None, a "
+                        f"bool or an int, got {value!r}")
     if value < 1 or shard_size % value:
-        raise ValueError(f"{where}: reshard_after_forward: expected an int that divides the shard world size "
-                         f"{shard_size}, got {value}")
+        raise ValueError(f"{where}: reshard_after_forward: expected an int that divides the shard "
+                         f"world size {shard_size}, got {value}")
     if value == 1:
         return False
     if value == shard_size:

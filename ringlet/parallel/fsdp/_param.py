@@ -1,4 +1,5 @@
-"""One parameter managed by fully_shard: its sharded DTensor, its unsharded view, where it is registered.
+"""One parameter managed by fully_shard: its sharded DTensor, its unsharded
+view, where it is registered.
 
 Residency (which of the two is registered on the modules) is decided by the param group;
 this file only knows how to build, swap and reconcile one parameter's tensors.
@@ -34,12 +35,15 @@ __all__ = ["FSDPParam"]
 class FSDPParam:
     """One parameter of a group; ``index`` is its position in the group's layout."""
 
-    def __init__(self, index: int, spec: ParamSpec, owners: list[tuple[nn.Module, str]], fqns: list[str],
-                 requires_grad: bool, mesh_info: MeshInfo, tp: TPLayout | None = None) -> None:
+    def __init__(self, index: int, spec: ParamSpec, owners: list[tuple[nn.Module, str]],
+                 fqns: list[str], requires_grad: bool, mesh_info: MeshInfo,
+                 tp: TPLayout | None = None) -> None:
         self.index = index
         self.spec = spec
-        self.owners = owners                    # every (module, attribute) the parameter is registered as
-        self.fqns = fqns                        # names relative to the fully_shard module (state dicts)
+        # every (module, attribute) the parameter is registered as
+        self.owners = owners
+        # names relative to the fully_shard module (state dicts)
+        self.fqns = fqns
         self.requires_grad = requires_grad
         self.mesh_info = mesh_info
         self.tp = tp                            # set for a tensor-parallel (DTensor) parameter
@@ -76,14 +80,17 @@ class FSDPParam:
 
     # -- building the tensors ----------------------------------------------------------
     def local_view(self, shard_buffer: torch.Tensor) -> torch.Tensor:
-        """This rank's unpadded shard as a view into ``shard_buffer`` (any flat buffer of the layout)."""
+        """This rank's unpadded shard as a view into ``shard_buffer`` (any flat
+        buffer of the layout)."""
         rank = self.mesh_info.shard_rank
         start = self.spec.shard_offset
-        return shard_buffer[start:start + self.spec.local_numel(rank)].view(self.spec.local_shape(rank))
+        piece = shard_buffer[start:start + self.spec.local_numel(rank)]
+        return piece.view(self.spec.local_shape(rank))
 
     @property
     def global_shape(self) -> tuple[int, ...]:
-        """The parameter's shape as the user sees it (a TP parameter's is its DTensor's global shape)."""
+        """The parameter's shape as the user sees it (a TP parameter's is its
+        DTensor's global shape)."""
         return self.tp.global_shape if self.tp is not None else self.spec.shape
 
     @property
@@ -93,14 +100,16 @@ class FSDPParam:
     @property
     def dtensor_placements(self) -> tuple[Any, ...]:
         """Placements of the sharded DTensor (data-parallel ones, then any tensor-parallel ones)."""
-        return self.tp.spmd_placements if self.tp is not None else self.mesh_info.placements(self.spec.dim)
+        return (self.tp.spmd_placements if self.tp is not None
+                else self.mesh_info.placements(self.spec.dim))
 
     def _global_stride(self) -> tuple[int, ...]:
         return self.tp.global_stride if self.tp is not None else self.spec.contiguous_stride()
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(local, self.dtensor_mesh, self.dtensor_placements, run_check=False,
-                                  shape=torch.Size(self.global_shape), stride=self._global_stride())
+        return DTensor.from_local(local, self.dtensor_mesh, self.dtensor_placements,
+                                  run_check=False, shape=torch.Size(self.global_shape),
+                                  stride=self._global_stride())
 
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """A sharded gradient (hot path: no autograd node, no placement checks)."""
@@ -114,7 +123,8 @@ class FSDPParam:
         return shard_of(full, self.spec, self.mesh_info.shard_rank)
 
     def bind_sharded(self, shard_buffer: torch.Tensor) -> None:
-        """(Re)create the sharded parameter as a DTensor over this param's slot of ``shard_buffer``."""
+        """(Re)create the sharded parameter as a DTensor over this param's
+        slot of ``shard_buffer``."""
         self.sharded_param = nn.Parameter(self.to_dtensor(self.local_view(shard_buffer)),
                                           requires_grad=self.requires_grad)
 
@@ -125,7 +135,8 @@ class FSDPParam:
         self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
 
     def register(self, tensor: torch.Tensor) -> None:
-        """Set ``tensor`` as this parameter on every owning module (no nn.Module checks: hot path)."""
+        """Set ``tensor`` as this parameter on every owning module (no
+        nn.Module checks: hot path)."""
         for module, name in self.owners:
             module._parameters[name] = tensor  # type: ignore[assignment]
 
@@ -135,27 +146,30 @@ class FSDPParam:
 
     # -- reconciling with what the user did ------------------------------------------------
     def adopt(self, tensor: torch.Tensor, shard_buffer: torch.Tensor) -> None:
-        """Copy a parameter the user set (a DTensor shard or a full tensor) into our slot and rebind.
+        """Copy a parameter the user set (a DTensor shard or a full tensor)
+        into our slot and rebind.
 
         Raises:
             ValueError: the tensor's global shape differs from the managed parameter's.
         """
         local = self.local_view(shard_buffer)
         if tuple(tensor.shape) != self.global_shape:
-            raise ValueError(f"fully_shard: {self.fqns[0]}: expected a tensor of shape {list(self.global_shape)}, "
-                             f"got {list(tensor.shape)}")
+            raise ValueError(f"fully_shard: {self.fqns[0]}: expected a tensor of shape "
+                             f"{list(self.global_shape)}, got {list(tensor.shape)}")
         with torch.no_grad():
             if isinstance(tensor, DTensor):
                 src = tensor.to_local()
                 if tuple(src.shape) != tuple(local.shape):
-                    raise ValueError(f"fully_shard: {self.fqns[0]}: expected a local shard of shape "
-                                     f"{list(local.shape)} ({''.join(map(repr, self.dtensor_placements))}), "
+                    raise ValueError(f"fully_shard: {self.fqns[0]}: expected a "
+                                     f"local shard of shape {list(local.shape)} "
+                                     f"({''.join(map(repr, self.dtensor_placements))}), "
                                      f"got {list(src.shape)}")
             else:
                 src = self.shard_of_full(tensor)
             if src.device.type != "meta" and local.device.type != "meta":
                 local.copy_(src)
-        self.requires_grad = bool(tensor.requires_grad) if isinstance(tensor, nn.Parameter) else self.requires_grad
+        self.requires_grad = (bool(tensor.requires_grad) if isinstance(tensor, nn.Parameter)
+                              else self.requires_grad)
         self.bind_sharded(shard_buffer)
 
     # -- gradients -------------------------------------------------------------------------
@@ -196,7 +210,8 @@ class FSDPParam:
         return (up is not None and up.grad is not None) or self.accumulated_grad is not None
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
-        """Add this rank's reduced shard ``local_grad`` into the sharded parameter's ``.grad`` DTensor."""
+        """Add this rank's reduced shard ``local_grad`` into the sharded
+        parameter's ``.grad`` DTensor."""
         p = self.sharded_param
         if p.grad is None:
             p.grad = self.grad_dtensor(local_grad)

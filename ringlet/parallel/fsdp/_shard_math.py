@@ -30,7 +30,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["GroupLayout", "ParamSpec", "chunk_units", "copy_in_grads", "copy_out", "plan_group", "shard_of"]
+__all__ = ["GroupLayout", "ParamSpec", "chunk_units", "copy_in_grads", "copy_out", "plan_group",
+           "shard_of"]
 
 
 def chunk_units(size: int, world: int) -> list[int]:
@@ -123,7 +124,8 @@ def plan_group(shapes: Sequence[Sequence[int]], dims: Sequence[int], world: int)
     if world < 1:
         raise ValueError(f"plan_group: expected world >= 1, got {world}")
     if len(shapes) != len(dims):
-        raise ValueError(f"plan_group: expected one dim per shape, got {len(shapes)} shapes and {len(dims)} dims")
+        raise ValueError(f"plan_group: expected one dim per shape, got {len(shapes)} "
+                         f"shapes and {len(dims)} dims")
     specs, shard_off, unsharded_off = [], 0, 0
     for i, (shape, dim) in enumerate(zip(shapes, dims)):
         shape = tuple(int(s) for s in shape)
@@ -131,10 +133,12 @@ def plan_group(shapes: Sequence[Sequence[int]], dims: Sequence[int], world: int)
             raise ValueError(f"plan_group: parameter {i}: expected at least 1 dim, got a scalar "
                              f"(fully_shard needs a dim to shard; use shape (1,))")
         if not 0 <= dim < len(shape):
-            raise ValueError(f"plan_group: parameter {i}: expected a shard dim in [0, {len(shape)}), got {dim}")
+            raise ValueError(f"plan_group: parameter {i}: expected a shard dim in "
+                             f"[0, {len(shape)}), got {dim}")
         if dim != 0 and shape[dim] % world:
-            raise ValueError(f"plan_group: parameter {i} of shape {list(shape)}: sharding on dim {dim} needs "
-                             f"its size ({shape[dim]}) divisible by the world size ({world})")
+            raise ValueError(f"plan_group: parameter {i} of shape {list(shape)}: "
+                             f"sharding on dim {dim} needs its size ({shape[dim]}) "
+                             f"divisible by the world size ({world})")
         spec = ParamSpec(shape, dim, world, shard_off, unsharded_off)
         specs.append(spec)
         shard_off += spec.padded_numel
@@ -145,7 +149,8 @@ def plan_group(shapes: Sequence[Sequence[int]], dims: Sequence[int], world: int)
 def shard_of(full: torch.Tensor, spec: ParamSpec, rank: int) -> torch.Tensor:
     """Rank ``rank``'s (unpadded) shard of the full tensor ``full``: a view, not a copy."""
     if tuple(full.shape) != spec.shape:
-        raise ValueError(f"shard_of: expected a tensor of shape {list(spec.shape)}, got {list(full.shape)}")
+        raise ValueError("shard_of: expected a tensor of shape "
+                         f"{list(spec.shape)}, got {list(full.shape)}")
     start = min(rank * spec.chunk, spec.size)
     return full.narrow(spec.dim, start, spec.local_units(rank))
 
@@ -159,7 +164,8 @@ def _dim0_split(spec: ParamSpec) -> tuple[int, int]:
 
 
 def copy_out(gathered: torch.Tensor, unsharded: torch.Tensor, layout: GroupLayout) -> None:
-    """Copy a rank-major gathered buffer into the param-major unsharded buffer (one or two ops per param)."""
+    """Copy a rank-major gathered buffer into the param-major unsharded buffer (one
+    or two ops per param)."""
     g = gathered.view(layout.world, layout.shard_numel)
     for spec in layout.specs:
         if spec.numel == 0:
@@ -176,11 +182,14 @@ def copy_out(gathered: torch.Tensor, unsharded: torch.Tensor, layout: GroupLayou
         pre = math.prod(spec.shape[:spec.dim])
         post = spec.chunk * math.prod(spec.shape[spec.dim + 1:])
         # dst viewed as (pre, world, chunk*post): rank r's piece is [:, r, :]
-        dst.view(pre, layout.world, post).transpose(0, 1).copy_(g[:, off:off + piece].view(layout.world, pre, post))
+        block = g[:, off:off + piece].view(layout.world, pre, post)
+        dst.view(pre, layout.world, post).transpose(0, 1).copy_(block)
 
 
-def copy_in_grads(rs_input: torch.Tensor, grads: Sequence[torch.Tensor | None], layout: GroupLayout) -> None:
-    """Lay unsharded gradients out rank-major for a reduce-scatter; padding and missing grads become 0.
+def copy_in_grads(rs_input: torch.Tensor, grads: Sequence[torch.Tensor | None],
+                  layout: GroupLayout) -> None:
+    """Lay unsharded gradients out rank-major for a reduce-scatter; padding
+    and missing grads become 0.
 
     ``grads[i]`` is the unsharded gradient of ``layout.specs[i]`` (any dtype; cast on copy) or None.
     """
@@ -206,4 +215,5 @@ def copy_in_grads(rs_input: torch.Tensor, grads: Sequence[torch.Tensor | None], 
             continue
         pre = math.prod(spec.shape[:spec.dim])
         post = spec.chunk * math.prod(spec.shape[spec.dim + 1:])
-        g[:, off:off + piece].view(layout.world, pre, post).copy_(src.view(pre, layout.world, post).transpose(0, 1))
+        block = src.view(pre, layout.world, post).transpose(0, 1)
+        g[:, off:off + piece].view(layout.world, pre, post).copy_(block)

@@ -1,0 +1,105 @@
+"""DDP on GPUs: where the module lives, ``device_ids``/``output_device``, moving inputs.
+
+torch's rules, which ringlet keeps:
+
+- a CPU module (or one spread over several devices) takes ``device_ids=None`` and
+  ``output_device=None``; anything else is a ``ValueError``;
+- a single-device CUDA module may name its device in ``device_ids=[i]`` (one entry at most);
+  ``output_device`` then defaults to ``i``; with ``device_ids`` set, ``forward`` moves its tensor
+  arguments to ``cuda:i`` first;
+- buckets live on the module's device.
+
+The stream ordering of the bucket all-reduces -- each reads its gradients only after the kernels
+that produced them, the end of backward waits for each before ``.grad`` is read or the bucket
+refilled, backward's next kernels overlap the collective -- is the process-group layer's
+([Note: CUDA streams] in ``ringlet/c10d/_cuda.py``): a bucket's ``all_reduce(async_op=True)``
+issued from the gradient hook is ordered after the hook's current stream, and the end of
+backward's ``work.wait()`` orders the caller's stream after it.  So nothing here touches streams,
+and CPU modules take none of these paths (``DevicePlan.device`` is the CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["DevicePlan", "aux_device", "move_to", "plan_devices"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """Where a DDP module runs: its parameters' ``device`` (None: several devices), torch's
+    ``device_ids`` (None or ``[index]``) and ``output_device`` (None or an index)."""
+
+    device: torch.device | None
+    device_ids: list[int] | None
+    output_device: int | None
+
+
+def _index(d: Any, what: str) -> int:
+    if isinstance(d, torch.device):
+        if d.index is None:
+            raise ValueError(f"DistributedDataParallel: {what}: expected a device with an index, got {d}")
+        return d.index
+    if isinstance(d, str):
+        return _index(torch.device(d), what)
+    if isinstance(d, int) and not isinstance(d, bool):
+        return d
+    raise TypeError(f"DistributedDataParallel: {what}: expected a device index or torch.device, "
+                    f"got {d!r}")
+
+
+def plan_devices(param_devices: Iterable[torch.device], device_ids: Any,
+                 output_device: Any) -> DevicePlan:
+    """Check ``device_ids``/``output_device`` against the parameters' devices (pure).
+
+    Raises:
+        ValueError: more than one device id, ids for a CPU or multi-device module, or an id
+            that is not the module's device.
+    """
+    devices = set(param_devices)
+    device = next(iter(devices)) if len(devices) == 1 else None
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError("device_ids can only be None or contain a single element.")
+    if not device_ids or device is None or device.type == "cpu":
+        if device_ids or output_device is not None:
+            raise ValueError(f"DistributedDataParallel: device_ids and output_device arguments only work "
+                             f"with single-device/multiple-device GPU modules or CPU modules; expected "
+                             f"None for this module, but got device_ids {device_ids}, output_device "
+                             f"{output_device}, and module parameters {sorted(map(str, devices))}.")
+        return DevicePlan(device, None, None)
+    ids = [_index(d, "device_ids") for d in device_ids]
+    if device.index is not None and ids[0] != device.index:
+        raise ValueError(f"DistributedDataParallel: device_ids: expected [{device.index}] (the module's "
+                         f"parameters are on {device}), got {list(device_ids)}; move the module with "
+                         f"module.to({device.type}:{ids[0]}) or pass device_ids=[{device.index}]")
+    out = ids[0] if output_device is None else _index(output_device, "output_device")
+    return DevicePlan(device, ids, out)
+
+
+def move_to(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor inside (tuples, lists, dicts, namedtuples) moved to ``device``.
+
+    Copies from pinned memory are asynchronous on the current stream (``non_blocking``), so the
+    host does not wait for them; other containers and values pass through unchanged.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):           # namedtuple
+        return type(obj)(*(move_to(x, device) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(move_to(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, move_to(v, device)) for k, v in obj.items())
+    return obj
+
+
+def aux_device(pg: Any, device: torch.device | None) -> torch.device:
+    """Where DDP's small bookkeeping tensors go (used-map, bucket order): the CPU when the group
+    serves CPU tensors (every backend but a bare ``torch:nccl``), else the module's device."""
+    if "cpu" in pg.transport.devices or device is None:
+        return torch.device("cpu")
+    return device
