@@ -188,8 +188,10 @@ def check_profiler(rank: int, n: int) -> dict[str, Any]:
         w = dist.all_gather_into_tensor(torch.empty(6 * n), t, async_op=True)
         w.wait()
     events = [e for e in prof.events() if ":" in e.name and not e.name.startswith(("aten::", "profiler:"))]
+    reduces = [e for e in events if e.name.endswith(":all_reduce")]
     return {"names": sorted({e.name for e in events}),
-            "shapes": [list(map(list, e.input_shapes)) for e in events if e.name.endswith(":all_reduce")]}
+            "shapes": [list(map(list, e.input_shapes)) for e in reduces],
+            "groups": [e.concrete_inputs[-1] for e in reduces]}
 
 
 def proc_suite(rank: int, n: int) -> dict[str, Any]:

@@ -215,7 +215,7 @@ def test_collectives_are_asynchronous_profiler_events_named_like_torchs() -> Non
         return [(e.name, e.is_async, e.input_shapes) for e in prof.function_events if ":" in e.name
                 and "::" not in e.name]
     got = run_threads(body, 1)[0]
-    assert got == [("inproc:all_reduce", True, [[2, 3, 2]]), ("inproc:all_gather", True, [[4]])], got
+    assert got == [("inproc:all_reduce", True, [[2, 3, 2], []]), ("inproc:all_gather", True, [[4], []])], got
 
 
 def test_launch_environment_helpers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -184,15 +184,17 @@ class ProcessGroup(TorchGroupMethods):
         work.wait()
         return None
 
-    @staticmethod
-    def _begin_event(name: str, inputs: Any, work: Work) -> None:
+    def _begin_event(self, name: str, inputs: Any, work: Work) -> None:
         """[Note: profiler events] Under ``torch.profiler``/``torch.autograd.profiler`` every
         operation is one event named ``"<backend>:<op>"`` (``"gloo:all_reduce"``, as torch
-        names them) recording its input shapes (complex tensors as their real view).  The op
-        then runs on a communication thread and its event ends when the op completes there,
-        so it is an asynchronous span, as torch's are."""
+        names them) recording its input shapes (complex tensors as their real view) and, as
+        its last input, the group: its global ranks (a list of ints, which traces keep as a
+        concrete input where strings would be dropped).  The op then runs on a communication
+        thread and its event ends when the op completes there, so it is an asynchronous span,
+        as torch's are."""
         tensors = [torch.view_as_real(t) if t.is_complex() else t for t in _tensors(inputs)]
-        handle = torch._C._autograd._record_function_with_args_enter(name, *tensors)
+        handle = torch._C._autograd._record_function_with_args_enter(name, *tensors,
+                                                                       list(self._ranks))
         torch.ops.profiler._call_end_callbacks_on_jit_fut(handle, work.get_future())
 
     def _call_queued(self, fn: Callable[[], None], ctx: OpContext) -> None:
