@@ -3,7 +3,7 @@ flat collective per group.
 
 Files, in dependency order: ``_shard_math`` (pure shard sizes, padding, flat layouts) ->
 ``_collectives`` (a group's all-gather / reduce-scatter) -> ``_param`` (one parameter) ->
-``_param_group`` (one fully_shard call's group) -> ``_state`` / ``_context`` (hooks, training
+``_param_group`` (one fully_shard call's group) -> ``_state`` (hooks, training
 state, prefetch, the final callback) -> ``_init`` / ``_state_dict`` ->
 ``_api`` (the public surface).
 """
