@@ -15,18 +15,25 @@ A joined rank's :meth:`DDPJoinHook.main_hook` issues 2-5 with neutral contributi
 world size, or by the number of active ranks (``divide_by_initial_world_size=False``).  When
 every rank has joined, :meth:`DDPJoinHook.post_hook` broadcasts the parameters and buffers of
 the last rank to join, so all ranks end with the same model.
+
+``divide_by_initial_world_size`` has one owner, the model's ``_divide_by_initial_world_size``
+(torch's attribute, set by the hook); the reducer receives it with each iteration's backward.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from ringlet.c10d import ReduceOp, all_reduce
+from ringlet.parallel.ddp import _checks
 from ringlet.parallel.join import Join, Joinable, JoinHook
 
 if TYPE_CHECKING:
     from ringlet.parallel.ddp.ddp import DistributedDataParallel
 
-__all__ = ["DDPJoinHook", "Join", "JoinHook", "Joinable"]
+__all__ = ["DDPJoinHook", "Join", "JoinHook", "Joinable", "active_iteration"]
 
 
 class DDPJoinHook(JoinHook):
@@ -38,8 +45,49 @@ class DDPJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         """Shadow one training iteration of the active ranks with zero gradients."""
-        self.ddp._shadow_iteration()
+        ddp = self.ddp
+        sync, src, rebuild = _agree(ddp, active=False, sync=False)
+        if rebuild:
+            ddp.reducer.rebuild_buckets(src)
+        if sync and ddp.broadcast_buffers:
+            ddp._sync_buffers(src, "joined rank's buffer broadcast")
+        if sync:
+            ddp.reducer.shadow_backward(ddp._divide_by_initial_world_size)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Make every rank's final parameters and buffers those of the last joiner."""
-        self.ddp._sync_final_model(is_last_joiner)
+        ddp = self.ddp
+        pg = ddp.process_group
+        src = torch.tensor([pg.rank() if is_last_joiner else -1])
+        with ddp.reducer.annotate("final model sync after Join"):
+            all_reduce(src, op=ReduceOp.MAX, group=pg)
+            buffers = [b for _, b in ddp._named_buffers()]
+            _checks.broadcast_coalesced(ddp._all_params + buffers, pg, int(src.item()))
+
+
+def active_iteration(ddp: DistributedDataParallel, sync: bool) -> tuple[Any, bool, int, bool]:
+    """An active rank's Join collectives before a training forward (1 and 2 above).
+
+    Returns ``(join_work, sync, src, rebuild)``: Join's "still active" work (``None`` outside a
+    Join context), whether any rank synchronises, the rank to broadcast from and whether the
+    bucket rebuild happens now.
+    """
+    join_work = Join.notify_join_context(ddp)
+    if join_work is None:
+        return None, sync, 0, ddp.reducer.rebuild_pending()
+    return (join_work, *_agree(ddp, active=True, sync=sync))
+
+
+def _agree(ddp: DistributedDataParallel, active: bool, sync: bool) -> tuple[bool, int, bool]:
+    """Inside Join: (does any rank sync, an active rank to broadcast from, rebuild now?).
+
+    One MAX all-reduce that joined ranks shadow; it picks the highest active rank as the
+    source of buffers and of the bucket order, since rank 0 may have run out of data.
+    """
+    pg = ddp.process_group
+    flags = torch.tensor([int(sync), pg.rank() if active else -1,
+                          int(ddp.reducer.rebuild_pending())])
+    with ddp.reducer.annotate("Join agreement"):
+        all_reduce(flags, op=ReduceOp.MAX, group=pg)
+    any_sync, src, rebuild = flags.tolist()
+    return bool(any_sync), int(src), bool(rebuild)

@@ -112,7 +112,8 @@ class Reducer:
         self.reductions = 0                   # finished synchronised backward passes
         self.comm_hook: tuple[Any, Any] | None = None
         self.join_work: Any = None            # Join's "still active" all-reduce of this iteration
-        self.divide_by_initial_world_size = True
+        # Inside Join with divide_by_initial_world_size=False: SUM, the end divides (this iteration)
+        self.join_sums = False
         self._index = {id(p): i for i, p in enumerate(params)}
         n = len(params)
         self._fired = [False] * n             # hook fired (gradient in the bucket) this iteration
@@ -163,10 +164,12 @@ class Reducer:
         if self.phase is Phase.PREPARED:
             self._reset()
 
-    def prepare_for_backward(self, outputs: Any, join_work: Any) -> None:
+    def prepare_for_backward(self, outputs: Any, join_work: Any,
+                             divide_by_initial_world_size: bool = True) -> None:
         """After a synchronising forward: expect hooks, find unused parameters, hook backward start."""
         if self.phase is Phase.IDLE:
             self.join_work = join_work
+            self.join_sums = join_work is not None and not divide_by_initial_world_size
         self.phase = Phase.PREPARED
         if self.find_unused and not (self.static_graph and self._expected_calls is not None):
             found = _graph.reachable_params(outputs, self._index)
@@ -261,10 +264,10 @@ class Reducer:
             bucket.handle = fut
             return
         with traced(f"DDP.all_reduce bucket {bucket.index}"):
-            bucket.handle = all_reduce(buf, op=self._reduce_op(self.join_work is not None), group=self.pg,
+            bucket.handle = all_reduce(buf, op=self._reduce_op(self.join_sums), group=self.pg,
                                        async_op=True)
 
-    def _reduce_op(self, in_join: bool) -> Any:
+    def _reduce_op(self, join_sums: bool) -> Any:
         """Each rank's gradient times 1/world_size, summed (torch divides before its SUM too).
 
         PREMUL_SUM scales while copying into the transport, saving AVG's extra pass over the
@@ -272,7 +275,7 @@ class Reducer:
         active) is known only later: SUM, and the end of backward divides.  A joined rank's
         zeros must use the same op (debug mode compares ops across ranks).
         """
-        if in_join and not self.divide_by_initial_world_size:
+        if join_sums:
             return ReduceOp.SUM
         return _make_nccl_premul_sum(1.0 / self.pg.size())
 
@@ -298,7 +301,7 @@ class Reducer:
         return bool(agreed) and self.layout.install(complete_order(agreed, n))
 
     # -- Join: a joined rank's side of an iteration ---------------------------------------------
-    def shadow_backward(self) -> None:
+    def shadow_backward(self, divide_by_initial_world_size: bool = True) -> None:
         """Issue one iteration's backward collectives with zero gradients (a rank out of data)."""
         with self.annotate("joined rank's shadow all-reduce"):
             handles = []
@@ -311,7 +314,7 @@ class Reducer:
                                     b.index == len(self.layout.buckets) - 1)
                     handles.append(hook(state, gb))
                 else:
-                    handles.append(all_reduce(zeros, op=self._reduce_op(True), group=self.pg, async_op=True))
+                    handles.append(all_reduce(zeros, op=self._reduce_op(not divide_by_initial_world_size), group=self.pg, async_op=True))
             local = torch.full((len(self.params),), _JOINED, dtype=torch.uint8, device=self._aux)
             table = torch.empty(self.pg.size() * local.numel(), dtype=torch.uint8, device=self._aux)
             handles.append(all_gather_into_tensor(table, local, group=self.pg, async_op=True))
@@ -392,7 +395,7 @@ class Reducer:
 
     def _join_divisor(self) -> int | None:
         """Inside Join with ``divide_by_initial_world_size=False`` (SUM): the active ranks."""
-        if self.join_work is None or self.comm_hook is not None or self.divide_by_initial_world_size:
+        if not self.join_sums or self.comm_hook is not None:
             return None
         self.join_work.wait()          # issued before this iteration's buckets: already done
         return max(1, int(_work_value(self.join_work).item()))
@@ -405,6 +408,7 @@ class Reducer:
         self._reachable = None
         self._next = 0
         self.join_work = None
+        self.join_sums = False
         self.layout.reset_iteration()
         if self.phase is Phase.REDUCING:
             self.reductions += 1

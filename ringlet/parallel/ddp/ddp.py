@@ -17,10 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringlet.c10d import ReduceOp, all_reduce
 from ringlet.parallel.ddp import _checks, _options, _tp
 from ringlet.parallel.ddp._cuda import move_to
-from ringlet.parallel.ddp._join import DDPJoinHook, Join, Joinable
+from ringlet.parallel.ddp._join import DDPJoinHook, Join, Joinable, active_iteration
 from ringlet.parallel.ddp._logging import DDPLogging
 from ringlet.parallel.ddp._reducer import Phase, Reducer, traced
 
@@ -170,7 +169,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             if training:
                 self._logging.forward_end()
             if sync:
-                self.reducer.prepare_for_backward(out, join_work)
+                self.reducer.prepare_for_backward(out, join_work,
+                                                  self._divide_by_initial_world_size)
             elif training:
                 self.reducer.skip_backward()
             return out
@@ -179,18 +179,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Collectives before a training forward: Join's flag, bucket rebuild, buffer broadcast."""
         reducer = self.reducer
         reducer.check_finished()
-        join_work = Join.notify_join_context(self)
-        if join_work is not None:
-            sync, src, rebuild = self._agree_under_join(active=True, sync=sync)
-        else:
-            src, rebuild = 0, reducer.rebuild_pending()
+        join_work, sync, src, rebuild = active_iteration(self, sync)
         if rebuild:
             reducer.rebuild_buckets(src)
         self.require_forward_param_sync = sync
         if sync and self.broadcast_buffers:
             self._sync_buffers(src, "buffer broadcast before forward")
-        if reducer.phase is Phase.IDLE:
-            reducer.divide_by_initial_world_size = self._divide_by_initial_world_size
         return join_work
 
     def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
@@ -217,19 +211,6 @@ class DistributedDataParallel(nn.Module, Joinable):
                 for name, b in mod._buffers.items():
                     if b is not None and id(b) in swaps:
                         mod._buffers[name] = swaps[id(b)]
-
-    def _agree_under_join(self, active: bool, sync: bool) -> tuple[bool, int, bool]:
-        """Inside Join: (does any rank sync, an active rank to broadcast from, rebuild now?).
-
-        One MAX all-reduce that joined ranks shadow; it picks the highest active rank as the
-        source of buffers and of the bucket order, since rank 0 may have run out of data.
-        """
-        pg = self.process_group
-        flags = torch.tensor([int(sync), pg.rank() if active else -1, int(self.reducer.rebuild_pending())])
-        with self.reducer.annotate("Join agreement"):
-            all_reduce(flags, op=ReduceOp.MAX, group=pg)
-        any_sync, src, rebuild = flags.tolist()
-        return bool(any_sync), int(src), bool(rebuild)
 
     # -- gradient accumulation -----------------------------------------------------------------
     @contextlib.contextmanager
@@ -375,25 +356,6 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def join_process_group(self) -> Any:
         return self.process_group
-
-    def _shadow_iteration(self) -> None:
-        """A joined rank's side of one iteration (see ``DDPJoinHook.main_hook``)."""
-        sync, src, rebuild = self._agree_under_join(active=False, sync=False)
-        if rebuild:
-            self.reducer.rebuild_buckets(src)
-        if sync and self.broadcast_buffers:
-            self._sync_buffers(src, "joined rank's buffer broadcast")
-        if sync:
-            self.reducer.shadow_backward()
-
-    def _sync_final_model(self, is_last_joiner: bool) -> None:
-        """After Join: every rank takes the parameters and buffers of the last rank to join."""
-        pg = self.process_group
-        src = torch.tensor([pg.rank() if is_last_joiner else -1])
-        with self.reducer.annotate("final model sync after Join"):
-            all_reduce(src, op=ReduceOp.MAX, group=pg)
-            buffers = [b for _, b in self._named_buffers()]
-            _checks.broadcast_coalesced(self._all_params + buffers, pg, int(src.item()))
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any
