@@ -226,7 +226,7 @@ def serialization_globals() -> list[Any]:
             sd = torch.load(path)
     """
     from ringlet.dtensor.placements import _NormPartial, _StridedShard
-    from ringlet.mesh._registry import restore_mesh
+    from ringlet.mesh.device_mesh import restore_mesh
 
     return [_rebuild_dtensor, restore_mesh, Shard, Replicate, Partial, _NormPartial, _StridedShard]
 

@@ -12,12 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ringlet.c10d import world as _world
-
 if TYPE_CHECKING:
     from ringlet.mesh.device_mesh import DeviceMesh
 
-__all__ = ["register", "restore_mesh"]
+__all__ = ["find", "register"]
 
 
 def register(w: Any, mesh: DeviceMesh) -> None:
@@ -26,18 +24,13 @@ def register(w: Any, mesh: DeviceMesh) -> None:
     w.meshes.append(weakref.ref(mesh))
 
 
-def restore_mesh(device_type: str, ranks: list[Any], names: tuple[str, ...] | None) -> DeviceMesh:
-    """Reattach a pickled mesh to the current world (policy in docs/dtensor.md, "Saving").
+def find(w: Any, device_type: str, ranks: list[Any],
+         names: tuple[str, ...] | None) -> DeviceMesh | None:
+    """The live mesh of world ``w`` with this layout (a root, or a slice or flattening of one).
 
-    The mesh must have been built in this world already (it, or a root it is a slice or
-    flattening of); a 1-d mesh of the whole world in rank order is rebuilt on the default
-    group.  Building groups here is not an option: unpickling is not collective.
+    ``None`` when this world built none; :func:`ringlet.mesh.device_mesh.restore_mesh` decides
+    what then happens.
     """
-    w = _world.current_world(required=False)
-    if w is None:
-        raise ValueError("torch.load of a DTensor: expected an initialized process group (the "
-                         "DTensor's DeviceMesh is reattached to the current world), got none; call "
-                         "init_process_group and build the mesh first")
     target = torch.tensor(ranks, dtype=torch.int64)
     for ref in list(w.meshes):
         root = ref()
@@ -46,13 +39,7 @@ def restore_mesh(device_type: str, ranks: list[Any], names: tuple[str, ...] | No
         found = _match(root, target, names)
         if found is not None:
             return found
-    if target.dim() == 1 and target.tolist() == list(range(w.world_size)):
-        from ringlet.mesh.device_mesh import DeviceMesh
-
-        return DeviceMesh.from_group(w.default_pg, device_type, mesh_dim_names=names)
-    raise ValueError(f"torch.load of a DTensor: expected DeviceMesh({device_type}, {ranks}, "
-                     f"names={names}) to exist in this world, got none; build it (init_device_mesh "
-                     "/ DeviceMesh) on every rank before loading")
+    return None
 
 
 def _match(root: DeviceMesh, target: torch.Tensor,

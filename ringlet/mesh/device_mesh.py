@@ -24,7 +24,7 @@ import torch
 
 from ringlet.c10d import world as _world
 from ringlet.c10d.group import ProcessGroup
-from ringlet.mesh._registry import register
+from ringlet.mesh import _registry
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
 
@@ -70,7 +70,7 @@ class DeviceMesh:
         self._groups = tuple(self._root_groups)
         self._flat: dict[Axes, ProcessGroup | None] = {}
         self._flat_names: dict[str, Axes] = {}
-        register(w, self)
+        _registry.register(w, self)
 
     def _setup(self, device_type: str, ranks: torch.Tensor, names: tuple[str, ...] | None,
                root: DeviceMesh | None, axes: tuple[Axes, ...],
@@ -111,7 +111,7 @@ class DeviceMesh:
         self._flat_names = {}
         w = _world.current_world(required=False)
         if w is not None:
-            register(w, self)
+            _registry.register(w, self)
         return self
 
     # -- torch's accessors -------------------------------------------------------------------
@@ -281,8 +281,6 @@ class DeviceMesh:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # [Note: DTensor pickling] lives in ringlet/dtensor/_api.py; a mesh travels as its layout.
-        from ringlet.mesh._registry import restore_mesh
-
         return (restore_mesh, (self._device_type, self._mesh.tolist(), self._names))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DeviceMesh:
@@ -290,6 +288,28 @@ class DeviceMesh:
 
     def __copy__(self) -> DeviceMesh:
         return self
+
+
+def restore_mesh(device_type: str, ranks: list[Any], names: tuple[str, ...] | None) -> DeviceMesh:
+    """Reattach a pickled mesh to the current world (policy in docs/dtensor.md, "Saving").
+
+    The mesh must have been built in this world already (it, or a root it is a slice or
+    flattening of); a 1-d mesh of the whole world in rank order is rebuilt on the default
+    group.  Building groups here is not an option: unpickling is not collective.
+    """
+    w = _world.current_world(required=False)
+    if w is None:
+        raise ValueError("torch.load of a DTensor: expected an initialized process group (the "
+                         "DTensor's DeviceMesh is reattached to the current world), got none; call "
+                         "init_process_group and build the mesh first")
+    found = _registry.find(w, device_type, ranks, names)
+    if found is not None:
+        return found
+    if list(ranks) == list(range(w.world_size)):
+        return DeviceMesh.from_group(w.default_pg, device_type, mesh_dim_names=names)
+    raise ValueError(f"torch.load of a DTensor: expected DeviceMesh({device_type}, {ranks}, "
+                     f"names={names}) to exist in this world, got none; build it (init_device_mesh "
+                     "/ DeviceMesh) on every rank before loading")
 
 
 def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...] | list[int], *,

@@ -56,11 +56,11 @@ class FSDPControls:
         return self.__dict__["_fsdp_state"]
 
     def _fsdp_modules(self, recurse: bool) -> Iterable[Any]:
-        from ringlet.parallel.fsdp._api import FSDPModule
-
         if not recurse:
             return [self]
-        return [m for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
+        # FSDPControls is a base of FSDPModule alone: the same test, without importing _api back
+        return [m for m in self.modules()  # type: ignore[attr-defined]
+                if isinstance(m, FSDPControls)]
 
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
         found = [g for m in self._fsdp_modules(recurse)
@@ -225,11 +225,9 @@ class FSDPControls:
 
 
 def _states(modules: list[Any], where: str) -> list[FSDPState]:
-    from ringlet.parallel.fsdp._api import FSDPModule
-
     out = []
     for m in modules:
-        if not isinstance(m, FSDPModule):
+        if not isinstance(m, FSDPControls):    # i.e. an FSDPModule (its only subclass)
             raise TypeError(f"{where}: expected FSDPModules, got {type(m).__name__}")
         out.append(m._get_fsdp_state())
     return out
