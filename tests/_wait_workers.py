@@ -149,3 +149,66 @@ def jittery_loop(rank: int, n: int, steps: int, seed: int) -> tuple[bool, int]:
         dist.broadcast(b, src=i % n)
         ok = ok and bool((b == i % n).all())
     return ok, naps()
+
+
+def stopped_peer_gives_up(rank: int, n: int, how: str, delay: float) -> tuple[str, str, float]:
+    """Rank 1 stops itself (SIGSTOP) before an all_reduce.  Rank 0 waits for it until its
+    deadline (``how="deadline"``) or until rank 2 aborts the group ``delay`` s in (``"abort"``);
+    then rank 0 continues rank 1, whose all_reduce must fail too (the group was given up)."""
+    pids: list[Any] = [None] * n
+    dist.all_gather_object(pids, os.getpid())
+    t = torch.ones(4)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return _timed(lambda: dist.all_reduce(t))
+    if rank == 2 and how == "abort":
+        time.sleep(delay)
+        dist.group.WORLD.abort("rank 2 gives up on a stopped rank (test)")
+        return "none", "", 0.0
+    if rank != 0:
+        return _timed(lambda: dist.all_reduce(t))
+    ended = threading.Event()
+
+    def thaw() -> None:                 # always continue rank 1, once rank 0's wait has ended
+        deadline = time.monotonic() + 10.0
+        while not _stopped(pids[1]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ended.wait(30.0)
+        os.kill(pids[1], signal.SIGCONT)
+
+    thawer = threading.Thread(target=thaw)
+    thawer.start()
+    try:
+        return _timed(lambda: dist.all_reduce(t))
+    finally:
+        ended.set()
+        thawer.join(40.0)
+
+
+def _switches() -> int:
+    """Voluntary context switches of every thread of this process so far (each one a wake-up
+    after blocking)."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+        except OSError:             # a thread that just ended
+            pass
+    return total
+
+
+def wakeups_while_awaited(rank: int, n: int, delay: float) -> tuple[int, float]:
+    """Rank 1 reaches an all_reduce ``delay`` s late; rank 0 returns how often its threads woke
+    up meanwhile and how long it waited."""
+    t = torch.ones(4)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(delay)
+        dist.all_reduce(t)
+        return 0, 0.0
+    before, t0 = _switches(), time.monotonic()
+    dist.all_reduce(t)
+    return _switches() - before, time.monotonic() - t0

@@ -1,8 +1,10 @@
 """Arena waits that sleep on the futex doorbell ([Note: arena waits]): correct results and bounded
 ends with blocked waiters -- a slow, stopped, killed, departed or aborting peer, a deadline -- on
 threads (inproc) and processes (shm), with futexes and with the timer back-off
-(RINGLET_NO_FUTEX=1).  Wake-up latency is never asserted here (bench/collectives.py measures
-speed); "woken long before the timeout" is."""
+(RINGLET_NO_FUTEX=1); and that a blocked waiter of shm and tcp sleeps rather than polls (its
+threads' wake-ups are counted).  Wake-up latency is never asserted here (bench/collectives.py
+measures speed); "woken long before the timeout" is.  Ranks as threads cannot be stopped or
+killed: there a departed or aborting peer stands for them."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 import _wait_workers as ww
 import pytest
 
+from ringlet.c10d.debug import REPORT_WAIT
 from ringlet.testing import run_threads
 from ringlet.testing.procs import raise_first, run_world
 from ringlet.transport import arena_wait
@@ -249,3 +252,62 @@ def test_processes_blocked_waiter_sees_death_and_the_deadline(no_futex) -> None:
     got, msg, elapsed = r0.value
     assert got == "CollectiveTimeoutError" and "ranks [1]" in msg, msg
     assert 0.9 * T <= elapsed <= T + 1.0
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("no_futex", FUTEX)
+@pytest.mark.parametrize("how,etype,needle", [
+    ("abort", "GroupAbortedError", "rank 1 gives up"),
+    ("leave", "PeerFailureError", "left the group"),
+])
+def test_processes_blocked_waiter_sees_abort_and_departure(no_futex, how, etype, needle) -> None:
+    env = {"RINGLET_NO_FUTEX": no_futex}
+    r0 = _by_rank(run_world(2, ww.ends_while_awaited, DELAY, how, op_timeout=T_LONG, env=env,
+                            timeout=40))[0]
+    got, msg, elapsed = r0.value
+    assert got == etype and needle in msg, msg
+    assert elapsed < DELAY + 2.0 < T_LONG
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how,n,op_timeout,etype,needle", [
+    ("deadline", 2, 0.5, "CollectiveTimeoutError", "ranks [1]"),
+    ("abort", 3, T_LONG, "GroupAbortedError", "rank 2 gives up"),
+])
+def test_processes_waiter_on_a_stopped_peer_ends_and_the_thawed_peer_fails_too(
+        how, n, op_timeout, etype, needle) -> None:
+    """A SIGSTOPped peer neither dies nor posts: only the deadline or an abort ends the wait,
+    on time; once continued, the stopped rank must not complete the collective given up on."""
+    res = _by_rank(run_world(n, ww.stopped_peer_gives_up, how, DELAY, op_timeout=op_timeout,
+                             timeout=40))
+    got, msg, elapsed = res[0].value
+    assert got == etype and needle in msg, msg
+    if how == "deadline":   # then the hang report waits REPORT_WAIT for the stopped rank's state
+        assert "rank 1: no answer" in msg, msg
+        assert op_timeout <= elapsed <= op_timeout + REPORT_WAIT + 1.5
+    else:
+        assert elapsed <= DELAY + 1.5
+    thawed, msg1, _ = res[1].value
+    assert thawed in ("GroupAbortedError", "CollectiveTimeoutError", "PeerFailureError"), msg1
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend,no_futex,most", [
+    pytest.param("shm", "0", 120, id="shm-futex",
+                 marks=pytest.mark.skipif(not available(), reason="no futex")),
+    pytest.param("tcp", "0", 40, id="tcp"),
+    pytest.param("shm", "1", None, id="shm-timers-control"),
+])
+def test_processes_a_blocked_waiter_sleeps_instead_of_polling(backend, no_futex,
+                                                              most: int | None) -> None:
+    """While its peer is 1.5 s late, a waiting rank's threads wake up rarely: futex naps that
+    grow to the liveness period (shm), one poll() until the deadline (tcp).  A timer back-off
+    would wake ~1000 times a second."""
+    env = {"RINGLET_NO_FUTEX": no_futex}
+    woke, waited = raise_first(run_world(2, ww.wakeups_while_awaited, 1.5, backend=backend,
+                                         op_timeout=T_LONG, env=env, timeout=40))[0]
+    assert 1.0 < waited < 1.5 + 2.0
+    if most is None:            # the control: the timer back-off is seen polling (~1400 here)
+        assert woke > 300, f"only {woke} wake-ups in {waited:.2f} s"
+    else:                       # measured: ~51 (shm), ~13 (tcp)
+        assert woke <= most, f"{woke} wake-ups in {waited:.2f} s"
