@@ -70,7 +70,8 @@ class ProcessGroup(TorchGroupMethods):
         self._p2p: dict[tuple[int, str], Executor] = {}
         self._p2p_lock = threading.Lock()
         self._fault = faults.parse_for(self._ranks[group_rank])
-        # Per-op counters (collectives issued, elements moved); read with counts() / ringlet.distributed.stats().
+        # Per-op counters (collectives issued, elements moved); read with counts() /
+        # ringlet.distributed.stats().
         self._counts: dict[str, int] = {}
         self._elements: dict[str, int] = {}
         self._history: collections.deque[OpContext] = collections.deque(maxlen=16)
@@ -101,7 +102,8 @@ class ProcessGroup(TorchGroupMethods):
 
     def __repr__(self) -> str:
         on = "" if self.transport_name == self.backend else f" on {self.transport_name}"
-        return f"ProcessGroup(rank {self._rank}/{self._size}, ranks {self._ranks}, {self.backend}{on})"
+        return (f"ProcessGroup(rank {self._rank}/{self._size}, ranks {self._ranks}, "
+                f"{self.backend}{on})")
 
     # -- running operations -----------------------------------------------------------------
     def context(self, op: str, dtype: torch.dtype | None = None, numel: int = 0, root: int = -1,
@@ -127,7 +129,8 @@ class ProcessGroup(TorchGroupMethods):
                 "history": [[c.seq, c.describe()] for c in list(self._history)]}
 
     def wait_stats(self) -> tuple[float, dict[int, float]]:
-        """(seconds this rank spent waiting for peers, {group rank: seconds it was the one awaited})."""
+        """(seconds this rank spent waiting for peers, {group rank: seconds it was the one
+        awaited})."""
         fn = getattr(self.transport, "wait_stats", None)
         return fn() if fn is not None else (0.0, {})
 
@@ -177,7 +180,8 @@ class ProcessGroup(TorchGroupMethods):
             return None
         work = Work(result, op=f"{ctx.op} #{ctx.seq}", bound=self.timeout, device=device)
         if profiling:
-            self._begin_event(f"{self.backend}:{label or op}", result if inputs is None else inputs, work)
+            self._begin_event(f"{self.backend}:{label or op}",
+                              result if inputs is None else inputs, work)
         self._executor.submit(lambda: self._call_queued(fn, ctx), work)
         if async_op:
             return work
@@ -201,7 +205,8 @@ class ProcessGroup(TorchGroupMethods):
         self._call(fn, False)   # the communication thread runs without grad
         self._done = ctx.seq
 
-    def _with_detail_check(self, fn: Callable[[], None], ctx: OpContext, result: Any) -> Callable[[], None]:
+    def _with_detail_check(self, fn: Callable[[], None], ctx: OpContext,
+                           result: Any) -> Callable[[], None]:
         from ringlet.c10d.debug import callsite
 
         ctx.callsite = callsite()

@@ -46,9 +46,10 @@ def _one(tensors: Any, method: str, arg: str) -> torch.Tensor:
     """The single tensor of a one-tensor-per-process argument (a tensor or a list of one)."""
     if isinstance(tensors, torch.Tensor):
         return tensors
-    if isinstance(tensors, (list, tuple)) and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
+    listed = isinstance(tensors, (list, tuple))
+    if listed and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
         return tensors[0]
-    got = f"a list of {len(tensors)}" if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+    got = f"a list of {len(tensors)}" if listed else type(tensors).__name__
     raise ValueError(f"ProcessGroup.{method}: {arg}: expected a tensor or a list of one tensor "
                      f"(one per process), got {got}")
 
@@ -70,16 +71,19 @@ def _root(opts: Any, root: Any) -> int:
 
 
 class TorchGroupMethods:
-    """Mixin of :class:`~ringlet.c10d.group.ProcessGroup`: torch's methods (see module docstring)."""
+    """Mixin of :class:`~ringlet.c10d.group.ProcessGroup`: torch's methods (see module
+    docstring)."""
 
     def allreduce(self, tensors: Any, opts: AllreduceOptions | Any = None, op: Any = None) -> Any:
         t = _one(tensors, "allreduce", "tensors")
         return _api().all_reduce(t, _op(opts, op), group=self, async_op=True)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        return _api().all_reduce_coalesced(list(tensors), _op(opts, None), group=self, async_op=True)
+        return _api().all_reduce_coalesced(list(tensors), _op(opts, None), group=self,
+                                           async_op=True)
 
-    def broadcast(self, tensors: Any, opts: BroadcastOptions | int | None = None, root: Any = None) -> Any:
+    def broadcast(self, tensors: Any, opts: BroadcastOptions | int | None = None,
+                  root: Any = None) -> Any:
         t = _one(tensors, "broadcast", "tensors")
         return _api().broadcast(t, group=self, async_op=True, group_src=_root(opts, root))
 
@@ -89,12 +93,13 @@ class TorchGroupMethods:
         return _api().reduce(t, op=_op(opts if not isinstance(opts, int) else None, op), group=self,
                              async_op=True, group_dst=_root(opts, root))
 
-    def allgather(self, output_tensors: Any, input_tensors: Any, opts: AllgatherOptions | None = None) -> Any:
+    def allgather(self, output_tensors: Any, input_tensors: Any,
+                  opts: AllgatherOptions | None = None) -> Any:
         outs = output_tensors
         if outs and isinstance(outs[0], (list, tuple)):
             if len(outs) != 1:
-                raise ValueError(f"ProcessGroup.allgather: output_tensors: expected one list (one per "
-                                 f"process), got {len(outs)}")
+                raise ValueError("ProcessGroup.allgather: output_tensors: expected one list (one "
+                                 f"per process), got {len(outs)}")
             outs = outs[0]
         inp = _one(input_tensors, "allgather", "input_tensors")
         return _api().all_gather(list(outs), inp, group=self, async_op=True)
@@ -108,34 +113,38 @@ class TorchGroupMethods:
         ins = input_tensors
         if ins and isinstance(ins[0], (list, tuple)):
             if len(ins) != 1:
-                raise ValueError(f"ProcessGroup.reduce_scatter: input_tensors: expected one list (one "
-                                 f"per process), got {len(ins)}")
+                raise ValueError("ProcessGroup.reduce_scatter: input_tensors: expected one list "
+                                 f"(one per process), got {len(ins)}")
             ins = ins[0]
         return _api().reduce_scatter(out, list(ins), _op(opts, op), group=self, async_op=True)
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        return _api().reduce_scatter_tensor(output, input, _op(opts, None), group=self, async_op=True)
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: Any = None) -> Any:
+        return _api().reduce_scatter_tensor(output, input, _op(opts, None), group=self,
+                                            async_op=True)
 
-    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> Any:
         return _api().all_to_all_single(output, input, output_split_sizes or None,
                                         input_split_sizes or None, group=self, async_op=True)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> Any:
-        return _api().all_to_all(list(output_tensors), list(input_tensors), group=self, async_op=True)
+        return _api().all_to_all(list(output_tensors), list(input_tensors), group=self,
+                                 async_op=True)
 
-    def gather(self, output_tensors: Any, input_tensors: Any, opts: GatherOptions | int | None = None,
-               root: Any = None) -> Any:
+    def gather(self, output_tensors: Any, input_tensors: Any,
+               opts: GatherOptions | int | None = None, root: Any = None) -> Any:
         inp = _one(input_tensors, "gather", "input_tensors")
-        outs = output_tensors[0] if output_tensors and isinstance(output_tensors[0], (list, tuple)) \
-            else output_tensors
+        nested = bool(output_tensors) and isinstance(output_tensors[0], (list, tuple))
+        outs = output_tensors[0] if nested else output_tensors
         dst = _root(opts, root)
         gather_list = list(outs) if self.rank() == dst else None
         return _api().gather(inp, gather_list, group=self, async_op=True, group_dst=dst)
 
-    def scatter(self, output_tensors: Any, input_tensors: Any, opts: ScatterOptions | int | None = None,
-                root: Any = None) -> Any:
+    def scatter(self, output_tensors: Any, input_tensors: Any,
+                opts: ScatterOptions | int | None = None, root: Any = None) -> Any:
         out = _one(output_tensors, "scatter", "output_tensors")
         ins = input_tensors[0] if input_tensors and isinstance(input_tensors[0], (list, tuple)) \
             else input_tensors
@@ -146,7 +155,8 @@ class TorchGroupMethods:
     def barrier(self, opts: Any = None) -> Any:
         return _api().barrier(group=self, async_op=True)
 
-    def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
+    def monitored_barrier(self, timeout: timedelta | float | None = None,
+                          wait_all_ranks: bool = False) -> None:
         _api().monitored_barrier(group=self, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
     def send(self, tensors: Any, dstRank: int, tag: int = 0) -> Any:
@@ -168,7 +178,8 @@ class TorchGroupMethods:
         """Deadline of this group's later operations."""
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         if seconds <= 0:
-            raise ValueError(f"ProcessGroup.set_timeout: expected a positive duration, got {timeout!r}")
+            raise ValueError("ProcessGroup.set_timeout: expected a positive duration, got "
+                             f"{timeout!r}")
         self.timeout = seconds
 
     def shutdown(self) -> None:

@@ -175,4 +175,5 @@ class Executor:
         deadline = time.monotonic() + 0.1
         while self._queue and time.monotonic() < deadline:
             _, work = self._queue.popleft()
-            work._complete(DistBackendError(f"{self._name}: the group was destroyed before this op ran"))
+            work._complete(DistBackendError(f"{self._name}: the group was destroyed before "
+                                            "this op ran"))

@@ -68,8 +68,10 @@ class _World:
 
 
 _process_world: list[_World | None] = [None]
-_thread_world: contextvars.ContextVar[_World | None] = contextvars.ContextVar("ringlet_world", default=None)
-_thread_mode: contextvars.ContextVar[bool] = contextvars.ContextVar("ringlet_thread_mode", default=False)
+_thread_world: contextvars.ContextVar[_World | None] = contextvars.ContextVar("ringlet_world",
+                                                                              default=None)
+_thread_mode: contextvars.ContextVar[bool] = contextvars.ContextVar("ringlet_thread_mode",
+                                                                    default=False)
 # Inits per (store, rank): every rank re-initializes on a store as often as the others, so the
 # count gives all ranks the same fresh key prefix (stale keys of an earlier init are never read).
 _init_counts: dict[tuple[str, int], int] = {}
@@ -167,14 +169,16 @@ def resolve_group(g: Any) -> ProcessGroup | None:
         return g
     if hasattr(g, "_ringlet_pg"):      # objects that wrap a group (e.g. DeviceMesh views)
         return g._ringlet_pg()
-    raise TypeError(f"group: expected a ProcessGroup (from new_group) or None, got {type(g).__name__}")
+    raise TypeError("group: expected a ProcessGroup (from new_group) or None, got "
+                    f"{type(g).__name__}")
 
 
 def _member(group: Any, op: str) -> ProcessGroup:
     """The group of a query that needs membership (torch's wording, then ours)."""
     pg = resolve_group(group)
     if pg is None:
-        raise ValueError(f"Invalid process group specified: {op}: this rank is not a member of the group")
+        raise ValueError(f"Invalid process group specified: {op}: this rank is not a member "
+                         "of the group")
     return pg
 
 
@@ -195,7 +199,8 @@ def _user_name(backend: str | None, resolved: str) -> str:
 
 
 def init_process_group(backend: str | None = None, init_method: str | None = None,
-                       timeout: timedelta | float | None = None, world_size: int = -1, rank: int = -1,
+                       timeout: timedelta | float | None = None, world_size: int = -1,
+                       rank: int = -1,
                        store: Any = None, group_name: str = "", pg_options: Any = None,
                        device_id: Any = None) -> None:
     """Join the default process group (torch's signature).
@@ -354,7 +359,8 @@ def get_default_backend_for_device(device: Any) -> str:
     raise ValueError(f"get_default_backend_for_device: no default backend for device type {kind!r}")
 
 
-def new_group(ranks: list[int] | None = None, timeout: timedelta | None = None, backend: str | None = None,
+def new_group(ranks: list[int] | None = None, timeout: timedelta | None = None,
+              backend: str | None = None,
               pg_options: Any = None, use_local_synchronization: bool = False,
               group_desc: str | None = None, device_id: Any = None, sort_ranks: bool = True) -> Any:
     """Create a group of ``ranks`` (global ranks).  Like torch: every rank of the world calls it
@@ -369,7 +375,8 @@ def new_group(ranks: list[int] | None = None, timeout: timedelta | None = None, 
         members.sort()
     if len(set(members)) != len(members):
         raise ValueError(f"new_group: ranks: expected distinct ranks, got {ranks}")
-    bad = [r for r in members if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < w.world_size]
+    bad = [r for r in members
+           if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < w.world_size]
     if bad or not members:
         raise ValueError(f"new_group: ranks: expected ranks in [0, {w.world_size}), got {ranks}")
     key = tuple(members)
@@ -384,7 +391,8 @@ def new_group(ranks: list[int] | None = None, timeout: timedelta | None = None, 
     return _make_group(w, members, gid, spec, backend or w.backend_name, seconds, desc)
 
 
-def new_subgroups(group_size: int | None = None, group: Any = None, timeout: timedelta | None = None,
+def new_subgroups(group_size: int | None = None, group: Any = None,
+                  timeout: timedelta | None = None,
                   backend: str | None = None, pg_options: Any = None,
                   group_desc: str | None = None) -> tuple[Any, list[Any]]:
     """Split ``group`` (default: the world) into consecutive subgroups of ``group_size`` ranks.
@@ -399,19 +407,23 @@ def new_subgroups(group_size: int | None = None, group: Any = None, timeout: tim
     """
     w = _world()
     parent = list(range(w.world_size)) if group is None else get_process_group_ranks(group)
-    size = group_size if group_size is not None else int(__import__("os").environ.get("LOCAL_WORLD_SIZE", 0))
+    size = group_size if group_size is not None else \
+        int(__import__("os").environ.get("LOCAL_WORLD_SIZE", 0))
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise ValueError(f"new_subgroups: group_size: expected a positive int, got {group_size!r}")
     if size > len(parent):
-        raise ValueError(f"new_subgroups: group_size {size} must not exceed the group's size {len(parent)}")
+        raise ValueError(f"new_subgroups: group_size {size} must not exceed the group's size "
+                         f"{len(parent)}")
     if len(parent) % size:
         raise ValueError(f"new_subgroups: group_size: expected a divisor of the group's size "
                          f"{len(parent)}, got {group_size}")
     lists = [parent[i:i + size] for i in range(0, len(parent), size)]
-    return new_subgroups_by_enumeration(lists, timeout=timeout, backend=backend, group_desc=group_desc)
+    return new_subgroups_by_enumeration(lists, timeout=timeout, backend=backend,
+                                        group_desc=group_desc)
 
 
-def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]], timeout: timedelta | None = None,
+def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]],
+                                 timeout: timedelta | None = None,
                                  backend: str | None = None, pg_options: Any = None,
                                  group_desc: str | None = None) -> tuple[Any, list[Any]]:
     """Make one group per list of global ranks; every rank of the world calls it with the same
@@ -431,8 +443,8 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]], timeo
     seen: set[int] = set()
     for ranks in ranks_per_subgroup_list:
         if seen & set(ranks):
-            raise ValueError(f"new_subgroups_by_enumeration: rank(s) {sorted(seen & set(ranks))} appear in "
-                             "more than one subgroup")
+            raise ValueError(f"new_subgroups_by_enumeration: rank(s) {sorted(seen & set(ranks))} "
+                             "appear in more than one subgroup")
         seen |= set(ranks)
     mine = None
     subgroups = []
@@ -463,7 +475,8 @@ def get_global_rank(group: Any, group_rank: int) -> int:
     """
     pg = _member(group, "get_global_rank")
     if not 0 <= group_rank < pg.size():
-        raise ValueError(f"get_global_rank: group_rank: expected 0 <= group_rank < {pg.size()}, got {group_rank}")
+        raise ValueError(f"get_global_rank: group_rank: expected 0 <= group_rank < {pg.size()}, "
+                         f"got {group_rank}")
     return pg.ranks[group_rank]
 
 
@@ -475,5 +488,6 @@ def get_group_rank(group: Any, global_rank: int) -> int:
     """
     pg = _member(group, "get_group_rank")
     if global_rank not in pg.ranks:
-        raise ValueError(f"get_group_rank: global rank {global_rank} is not part of group {pg.ranks}")
+        raise ValueError(f"get_group_rank: global rank {global_rank} is not part of group "
+                         f"{pg.ranks}")
     return pg.ranks.index(global_rank)
