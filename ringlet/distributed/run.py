@@ -1,4 +1,5 @@
-"""``python -m ringlet.distributed.run``: the launcher, at torch's path (see ringlet.launcher.run)."""
+"""``python -m ringlet.distributed.run``: the launcher, at torch's path (see
+ringlet.launcher.run)."""
 
 from ringlet.launcher.run import main
 

@@ -1,4 +1,5 @@
-"""``ringlet.nn``: torch.nn's distributed parts (``SyncBatchNorm``; ``ringlet.nn.parallel`` for DDP).
+"""``ringlet.nn``: torch.nn's distributed parts (``SyncBatchNorm``; ``ringlet.nn.parallel`` for
+DDP).
 
 Re-exports only.
 """

@@ -1,4 +1,5 @@
-"""``ringlet.distributed._tensor``: the legacy path of ``ringlet.distributed.tensor`` (re-exports only).
+"""``ringlet.distributed._tensor``: the legacy path of ``ringlet.distributed.tensor`` (re-exports
+only).
 
 Published examples still import from here (``from torch.distributed._tensor import DTensor,
 Shard, Replicate, distribute_tensor``), so it keeps torch's legacy names (those of

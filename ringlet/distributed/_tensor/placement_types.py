@@ -1,4 +1,5 @@
-"""``ringlet.distributed._tensor.placement_types``: legacy path of the placements (re-exports only)."""
+"""``ringlet.distributed._tensor.placement_types``: legacy path of the placements (re-exports
+only)."""
 
 from ringlet.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 

@@ -1,4 +1,5 @@
-"""``ringlet.distributed.algorithms``: torch.distributed.algorithms' public names (re-exports only)."""
+"""``ringlet.distributed.algorithms``: torch.distributed.algorithms' public names (re-exports
+only)."""
 
 from ringlet.parallel.join import *
 from ringlet.parallel.join import __all__  # noqa: F401

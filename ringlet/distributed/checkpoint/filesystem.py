@@ -1,4 +1,5 @@
-"""``ringlet.distributed.checkpoint.filesystem``: ``FileSystemWriter`` / ``FileSystemReader`` (re-exports only)."""
+"""``ringlet.distributed.checkpoint.filesystem``: ``FileSystemWriter`` / ``FileSystemReader``
+(re-exports only)."""
 
 from ringlet.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 

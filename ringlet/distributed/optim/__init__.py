@@ -1,4 +1,5 @@
-"""``ringlet.distributed.optim``: ``ZeroRedundancyOptimizer`` (implemented in ringlet.parallel.zero)."""
+"""``ringlet.distributed.optim``: ``ZeroRedundancyOptimizer`` (implemented in
+ringlet.parallel.zero)."""
 
 from ringlet.parallel.zero import ZeroRedundancyOptimizer
 

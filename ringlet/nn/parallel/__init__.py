@@ -1,6 +1,7 @@
 """``ringlet.nn.parallel``: torch.nn.parallel's distributed part. Re-exports only.
 
-``from ringlet.nn.parallel import DistributedDataParallel`` (implemented in ``ringlet.parallel.ddp``).
+``from ringlet.nn.parallel import DistributedDataParallel`` (implemented in
+``ringlet.parallel.ddp``).
 """
 
 from ringlet.nn.parallel.distributed import *

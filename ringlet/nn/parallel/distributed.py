@@ -1,4 +1,5 @@
-"""``ringlet.nn.parallel.distributed``: mirror of ``torch.nn.parallel.distributed``. Re-exports only."""
+"""``ringlet.nn.parallel.distributed``: mirror of ``torch.nn.parallel.distributed``. Re-exports
+only."""
 
 from ringlet.parallel.ddp import DistributedDataParallel
 

@@ -1,4 +1,5 @@
-"""``ringlet.utils.data.distributed``: ``DistributedSampler`` (implemented in ringlet.parallel.sampler)."""
+"""``ringlet.utils.data.distributed``: ``DistributedSampler`` (implemented in
+ringlet.parallel.sampler)."""
 
 from ringlet.parallel.sampler import DistributedSampler
 

@@ -1,4 +1,5 @@
-"""``ringlet.distributed.tensor.parallel``: torch's ``torch.distributed.tensor.parallel`` (re-exports only).
+"""``ringlet.distributed.tensor.parallel``: torch's ``torch.distributed.tensor.parallel``
+(re-exports only).
 
 The implementation lives in ``ringlet.parallel.tensor_parallel`` (layer 7); the submodules
 ``api``, ``style`` and ``loss`` mirror torch's.

@@ -1,4 +1,5 @@
-"""``ringlet.distributed.tensor.parallel._data_parallel_utils``: torch's private DTensor flatten/unflatten.
+"""``ringlet.distributed.tensor.parallel._data_parallel_utils``: torch's private DTensor
+flatten/unflatten.
 
 Re-exports only; the implementation is ``ringlet.parallel._data_parallel_utils``.
 

@@ -1,4 +1,5 @@
-"""``ringlet.distributed.tensor.parallel.style``: torch's module of the parallel styles (re-exports only)."""
+"""``ringlet.distributed.tensor.parallel.style``: torch's module of the parallel styles (re-exports
+only)."""
 
 from ringlet.parallel.tensor_parallel._prepare import *
 from ringlet.parallel.tensor_parallel._prepare import __all__ as _prepare_all
