@@ -1,5 +1,6 @@
 # ruff: noqa: N999 - torch's name
-"""Batched PowerSGD: the whole bucket compressed as one square matrix (torch's ``batched_powerSGD_hook``).
+"""Batched PowerSGD: the whole bucket compressed as one square matrix (torch's
+``batched_powerSGD_hook``).
 
 Same algorithm as ``powerSGD_hook`` (Vogels et al. 2019, Algorithm 1; see that module), but the
 bucket's flat buffer of ``n`` elements is padded with zeros to ``s x s`` (``s = ceil(sqrt(n))``)
@@ -32,12 +33,14 @@ from ringlet.parallel.comm_hooks.powerSGD_hook import (
 __all__ = ["batched_powerSGD_hook"]
 
 
-def _square_q(state: PowerSGDState, index: int, side: int, rank: int, like: torch.Tensor) -> torch.Tensor:
+def _square_q(state: PowerSGDState, index: int, side: int, rank: int,
+              like: torch.Tensor) -> torch.Tensor:
     """This bucket's ``Q`` (side x rank): warm-started, or drawn from the state's generator."""
     q = state.q_memory_dict.get(index)
     if state.warm_start and q is not None and q.shape == (side, rank) and q.dtype == like.dtype:
         return q
-    gen = torch.Generator().manual_seed(state.rng.randrange(1_000_000_000))   # same draw on every rank
+    # same draw on every rank
+    gen = torch.Generator().manual_seed(state.rng.randrange(1_000_000_000))
     q = torch.randn(side, rank, generator=gen, dtype=torch.float32).to(like.device, like.dtype)
     if state.warm_start:
         state.q_memory_dict[index] = q

@@ -1,12 +1,13 @@
-"""DDP's logging data (``ddp._get_ddp_logging_data()``): configuration, bucket layout, timings, errors.
+"""DDP's logging data (``ddp._get_ddp_logging_data()``): configuration, bucket layout, timings,
+errors.
 
 torch's DDP keeps a C++ ``Logger`` whose fields scripts and tests read by name; ringlet keeps the
 same names where they mean the same thing here:
 
 - configuration: ``world_size``, ``rank``, ``module_name``, ``backend_name``, ``device_ids``
-  (``""`` for a CPU module), ``output_device`` (-1 for a CPU module), ``broadcast_buffers``, ``bucket_cap_bytes``,
-  ``find_unused_parameters``, ``gradient_as_bucket_view``, ``static_graph``, ``dtypes``,
-  ``total_parameter_size_bytes``, ``num_parameter_tensors``, ``bucket_sizes`` (bytes per
+  (``""`` for a CPU module), ``output_device`` (-1 for a CPU module), ``broadcast_buffers``,
+  ``bucket_cap_bytes``, ``find_unused_parameters``, ``gradient_as_bucket_view``, ``static_graph``,
+  ``dtypes``, ``total_parameter_size_bytes``, ``num_parameter_tensors``, ``bucket_sizes`` (bytes per
   bucket at construction), the environment (``master_addr``, ``master_port``,
   ``torch_distributed_debug``, ...);
 - after the bucket rebuild: ``has_rebuilt_buckets``, ``rebuilt_bucket_sizes``,
@@ -31,7 +32,8 @@ from typing import Any
 
 __all__ = ["DDPLogging"]
 
-_ENV = {"master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT", "torch_distributed_debug": "TORCH_DISTRIBUTED_DEBUG",
+_ENV = {"master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT",
+        "torch_distributed_debug": "TORCH_DISTRIBUTED_DEBUG",
         "cuda_visible_devices": "CUDA_VISIBLE_DEVICES", "gloo_socket_ifname": "GLOO_SOCKET_IFNAME",
         "gloo_device_transport": "GLOO_DEVICE_TRANSPORT"}
 _TIMINGS = ("forward_compute_time", "backward_compute_time", "backward_comm_time",
@@ -62,22 +64,26 @@ class DDPLogging:
                  module_name=type(ddp.module).__name__,
                  device_ids=" ".join(map(str, ddp.device_ids or [])),
                  output_device=-1 if ddp.output_device is None else ddp.output_device,
-                 broadcast_buffers=int(ddp.broadcast_buffers), bucket_cap_bytes=ddp.bucket_bytes_cap,
+                 broadcast_buffers=int(ddp.broadcast_buffers),
+                 bucket_cap_bytes=ddp.bucket_bytes_cap,
                  find_unused_parameters=int(ddp.find_unused_parameters),
-                 gradient_as_bucket_view=int(ddp.gradient_as_bucket_view), static_graph=int(ddp.static_graph),
+                 gradient_as_bucket_view=int(ddp.gradient_as_bucket_view),
+                 static_graph=int(ddp.static_graph),
                  is_multi_device_module=0, backend_name=_backend(ddp.process_group),
                  dtypes=", ".join(sorted({_dtype_name(p.dtype) for p in params})),
                  total_parameter_size_bytes=sum(p.numel() * p.element_size() for p in params),
-                 num_parameter_tensors=len(params), bucket_sizes=_sizes(reducer), has_rebuilt_buckets=0,
-                 iteration=0, has_error=0)
+                 num_parameter_tensors=len(params), bucket_sizes=_sizes(reducer),
+                 has_rebuilt_buckets=0, iteration=0, has_error=0)
         for key, var in _ENV.items():
             d[key] = os.environ.get(var, "N/A")
         if d["backend_name"] == "gloo":
-            d["gloo_num_threads"] = 1     # ringlet runs one communication thread per group (torch's gloo: 2)
+            # ringlet runs one communication thread per group (torch's gloo: 2)
+            d["gloo_num_threads"] = 1
 
     def set_sample_rate(self, rate: int) -> None:
         if not isinstance(rate, int) or isinstance(rate, bool) or rate < 1:
-            raise ValueError(f"_set_ddp_runtime_logging_sample_rate: expected an int >= 1, got {rate!r}")
+            raise ValueError("_set_ddp_runtime_logging_sample_rate: expected an int >= 1, got "
+                             f"{rate!r}")
         self.sample_rate = rate
 
     def log_error(self, message: str) -> None:
@@ -100,13 +106,15 @@ class DDPLogging:
         self._used_sets.add(tuple(reducer.used_last))
         d = self.data
         d["unused_parameter_size"] = sum(p.numel() * p.element_size()
-                                         for p, used in zip(reducer.params, reducer.used_last) if not used)
+                                         for p, used in zip(reducer.params, reducer.used_last)
+                                         if not used)
         d["can_set_static_graph"] = int(len(self._used_sets) == 1)
         if reducer.rebuilt and not d["has_rebuilt_buckets"]:
             d.update(has_rebuilt_buckets=1, rebuilt_bucket_sizes=_sizes(reducer),
                      rebuilt_per_bucket_param_indices=", ".join(
                          " ".join(str(i) for i in b.plan.indices) for b in reducer.layout.buckets),
-                     prev_iteration_grad_ready_order_indices=", ".join(str(i) for i in reducer.observed))
+                     prev_iteration_grad_ready_order_indices=", ".join(str(i)
+                                                                       for i in reducer.observed))
         if self._sampled is not None:
             self._record_times(reducer.times)
 
@@ -114,12 +122,16 @@ class DDPLogging:
         fwd0, fwd1 = self._forward_ns
         b0, b1, c1 = t["backward_start"], t["finalize_start"], t["finalize_end"]
         c0 = min(max(t.get("first_launch", b1), b0), c1)
-        times = {"forward_compute_time": max(1, fwd1 - fwd0), "backward_compute_time": max(1, b1 - b0),
-                 "backward_comm_time": max(1, c1 - c0), "backward_compute_comm_overlap_time": max(0, b1 - c0)}
+        times = {"forward_compute_time": max(1, fwd1 - fwd0),
+                 "backward_compute_time": max(1, b1 - b0),
+                 "backward_comm_time": max(1, c1 - c0),
+                 "backward_compute_comm_overlap_time": max(0, b1 - c0)}
         d = self.data
         d.update(times)
-        d.update(iteration=self._sampled, forward_compute_time_start=fwd0, backward_compute_time_start=b0,
-                 backward_compute_time_end=b1, backward_comm_time_start=c0, backward_comm_time_end=c1)
+        d.update(iteration=self._sampled, forward_compute_time_start=fwd0,
+                 backward_compute_time_start=b0,
+                 backward_compute_time_end=b1, backward_comm_time_start=c0,
+                 backward_comm_time_end=c1)
         self._samples += 1
         for k, v in times.items():
             self._totals[k] += v
@@ -127,7 +139,8 @@ class DDPLogging:
 
 
 # torch's logger names dtypes as C++ type names ("float", "double", "c10::Half").
-_CPP_NAMES = {"float32": "float", "float64": "double", "float16": "c10::Half", "bfloat16": "c10::BFloat16",
+_CPP_NAMES = {"float32": "float", "float64": "double", "float16": "c10::Half",
+              "bfloat16": "c10::BFloat16",
               "int64": "long int", "int32": "int", "int16": "short int", "int8": "signed char",
               "uint8": "unsigned char", "bool": "bool", "complex64": "c10::complex<float>",
               "complex128": "c10::complex<double>"}

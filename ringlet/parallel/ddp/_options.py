@@ -37,20 +37,22 @@ def bucket_caps(bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> tuple[int, list[
     """
     if isinstance(bucket_cap_mb, (list, tuple)):
         if bucket_cap_mb_list is not None:
-            raise ValueError("DistributedDataParallel: expected per-bucket caps in bucket_cap_mb or in "
-                             "bucket_cap_mb_list, got both")
+            raise ValueError("DistributedDataParallel: expected per-bucket caps in bucket_cap_mb "
+                             "or in bucket_cap_mb_list, got both")
         bucket_cap_mb_list, bucket_cap_mb = bucket_cap_mb, None
     if bucket_cap_mb_list is None:
         return cap_bytes_from_mb(bucket_cap_mb), []
     caps = list(bucket_cap_mb_list)
-    if not caps or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 0 for c in caps):
-        raise ValueError(f"DistributedDataParallel: bucket_cap_mb_list: expected a non-empty list of sizes >= 0 "
-                         f"(MiB), got {bucket_cap_mb_list!r}")
+    if not caps or not all(isinstance(c, (int, float)) and not isinstance(c, bool)
+                           and c >= 0 for c in caps):
+        raise ValueError("DistributedDataParallel: bucket_cap_mb_list: expected a non-empty list "
+                         f"of sizes >= 0 (MiB), got {bucket_cap_mb_list!r}")
     in_bytes = [int(c * _MIB) for c in caps]
     return max(in_bytes), in_bytes
 
 
-def buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+def buffer_sync(broadcast_buffers: bool | None,
+                forward_sync_buffers: bool | None) -> tuple[bool, bool]:
     """``(sync buffers before forwards, sync buffers at construction)``, with torch 2.13's warnings.
 
     ``forward_sync_buffers`` only affects forwards; the deprecated ``broadcast_buffers=False``
@@ -58,11 +60,13 @@ def buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | Non
     """
     if broadcast_buffers is not None:
         if forward_sync_buffers is not None:
-            warnings.warn("DistributedDataParallel: both broadcast_buffers and forward_sync_buffers were given; "
-                          "broadcast_buffers is deprecated and ignored", FutureWarning, stacklevel=3)
+            warnings.warn("DistributedDataParallel: both broadcast_buffers and "
+                          "forward_sync_buffers were given; broadcast_buffers is deprecated "
+                          "and ignored", FutureWarning, stacklevel=3)
         else:
-            warnings.warn("DistributedDataParallel: broadcast_buffers is deprecated, use forward_sync_buffers "
-                          "(which, unlike broadcast_buffers=False, still syncs buffers at construction)",
+            warnings.warn("DistributedDataParallel: broadcast_buffers is deprecated, use "
+                          "forward_sync_buffers (which, unlike broadcast_buffers=False, still "
+                          "syncs buffers at construction)",
                           FutureWarning, stacklevel=3)
     if forward_sync_buffers is not None:
         return bool(forward_sync_buffers), True
@@ -72,8 +76,9 @@ def buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | Non
 
 def refuse_unsupported(delay: Any, param_to_hook: Any, mixed_precision: Any) -> None:
     if mixed_precision is not None:
-        raise NotImplementedError("DistributedDataParallel: mixed_precision is not supported by ringlet; "
-                                  "cast the model yourself or use a bf16/fp16 compression comm hook")
+        raise NotImplementedError("DistributedDataParallel: mixed_precision is not supported by "
+                                  "ringlet; cast the model yourself or use a bf16/fp16 compression "
+                                  "comm hook")
     if delay is not None or param_to_hook is not None:
         raise NotImplementedError("DistributedDataParallel: delay_all_reduce_named_params and "
                                   "param_to_hook_all_reduce are not supported by ringlet")
@@ -82,20 +87,20 @@ def refuse_unsupported(delay: Any, param_to_hook: Any, mixed_precision: Any) -> 
 def refuse_dtensor_buffers(named_buffers: Sequence[tuple[str, torch.Tensor]]) -> None:
     bad = [n for n, b in named_buffers if isinstance(b, DTensor)]
     if bad:
-        raise ValueError(f"DistributedDataParallel: expected plain tensors as buffers, got DTensor buffers "
-                         f"{bad}; register them as plain tensors, or list them in "
-                         f"_ddp_params_and_buffers_to_ignore")
+        raise ValueError("DistributedDataParallel: expected plain tensors as buffers, got DTensor "
+                         f"buffers {bad}; register them as plain tensors, or list them in "
+                         "_ddp_params_and_buffers_to_ignore")
 
 
 def pick_group(process_group: Any, device_mesh: Any) -> Any:
     if process_group is not None and device_mesh is not None:
-        raise ValueError("DistributedDataParallel: Cannot specify both process_group and device_mesh arguments "
-                         "(expected one of them, got both)")
+        raise ValueError("DistributedDataParallel: Cannot specify both process_group and "
+                         "device_mesh arguments (expected one of them, got both)")
     if device_mesh is not None:
         ndim = getattr(device_mesh, "ndim", 1)
         if ndim != 1:
-            raise ValueError(f"DistributedDataParallel: Only 1D device mesh is supported (expected a 1-d "
-                             f"device_mesh such as mesh['dp'], got {ndim} dims)")
+            raise ValueError("DistributedDataParallel: Only 1D device mesh is supported (expected "
+                             f"a 1-d device_mesh such as mesh['dp'], got {ndim} dims)")
         process_group = device_mesh.get_group()
     pg = resolve_group(process_group)
     if pg is None:

@@ -80,20 +80,25 @@ class DistributedDataParallel(nn.Module, Joinable):
     reducer: Reducer        # hooks and buckets (a plain attribute: not a submodule)
     module: nn.Module
 
-    def __init__(self, module: nn.Module, device_ids: list[Any] | None = None, output_device: Any = None,
+    def __init__(self, module: nn.Module, device_ids: list[Any] | None = None,
+                 output_device: Any = None,
                  dim: int = 0, broadcast_buffers: bool | None = None, init_sync: bool = True,
                  process_group: Any = None, bucket_cap_mb: float | list[float] | None = None,
                  find_unused_parameters: bool = False, check_reduction: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  delay_all_reduce_named_params: Any = None, param_to_hook_all_reduce: Any = None,
                  mixed_precision: Any = None, device_mesh: Any = None,
-                 skip_all_reduce_unused_params: bool = False, bucket_cap_mb_list: list[float] | None = None,
+                 skip_all_reduce_unused_params: bool = False,
+                 bucket_cap_mb_list: list[float] | None = None,
                  batched_grad_copy: bool = False, forward_sync_buffers: bool | None = None) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
-        _options.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision)
-        self.bucket_bytes_cap, self.bucket_bytes_cap_list = _options.bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
-        self.forward_sync_buffers, init_sync_buffers = _options.buffer_sync(broadcast_buffers, forward_sync_buffers)
+        _options.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce,
+                                    mixed_precision)
+        self.bucket_bytes_cap, self.bucket_bytes_cap_list = _options.bucket_caps(bucket_cap_mb,
+                                                                                 bucket_cap_mb_list)
+        self.forward_sync_buffers, init_sync_buffers = _options.buffer_sync(broadcast_buffers,
+                                                                            forward_sync_buffers)
         self.module = module
         self.process_group = _options.pick_group(process_group, device_mesh)
         self.device_mesh = device_mesh
@@ -107,8 +112,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         plan = _options.check_devices(named_params, device_ids, output_device)
         trained = [(n, p) for n, p in named_params if p.requires_grad]
         if not trained:
-            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
-                               "parameter that requires a gradient.")
+            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have "
+                               "any parameter that requires a gradient.")
         self.device_ids = plan.device_ids          # [i] for a GPU module that named its device
         self.output_device = plan.output_device
         self.device = plan.device
@@ -146,11 +151,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.forward_sync_buffers = bool(value)
 
     def _build_reducer(self) -> None:
-        trained = [(n, p) for n, p in self.module.named_parameters() if n not in self._ignore and p.requires_grad]
+        trained = [(n, p) for n, p in self.module.named_parameters()
+                   if n not in self._ignore and p.requires_grad]
         self.reducer = Reducer(
-            [p for _, p in trained], [n for n, _ in trained], self.process_group, cap_bytes=self.bucket_bytes_cap,
-            gradient_as_bucket_view=self.gradient_as_bucket_view, find_unused_parameters=self.find_unused_parameters,
-            static_graph=self.static_graph, skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
+            [p for _, p in trained], [n for n, _ in trained], self.process_group,
+            cap_bytes=self.bucket_bytes_cap,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
             caps=self.bucket_bytes_cap_list or None, device=self.device)
         self.reducer.on_finalized = self._logging.reduction_done
         self.reducer.on_error = self._logging.log_error
@@ -235,7 +244,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # -- communication hooks -------------------------------------------------------------------
     def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future]) -> None:
-        """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` instead of an all-reduce.
+        """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` instead of an
+        all-reduce.
 
         The hook gets a :class:`~ringlet.parallel.ddp.GradBucket` whose buffer holds this rank's
         (not yet averaged) gradients; the future's tensor is written into the bucket.  Register
@@ -246,34 +256,44 @@ class DistributedDataParallel(nn.Module, Joinable):
             TypeError: ``hook`` is not callable.
         """
         if not callable(hook):
-            self._raise(TypeError, f"register_comm_hook: communication hook must be callable (expected "
-                                   f"hook(state, bucket) -> Future), got {type(hook).__name__}")
+            self._raise(TypeError, "register_comm_hook: communication hook must be callable "
+                                   "(expected hook(state, bucket) -> Future), got "
+                                   f"{type(hook).__name__}")
         if self.reducer.comm_hook is not None:
-            self._raise(RuntimeError, "register_comm_hook: expected a single registration, but a communication "
-                                      "hook is already registered (register_comm_hook can only be called once)")
+            self._raise(RuntimeError, "register_comm_hook: expected a single registration, but a "
+                                      "communication hook is already registered "
+                                      "(register_comm_hook can only be called once)")
         if self.reducer.phase is Phase.REDUCING:
-            self._raise(RuntimeError, "register_comm_hook: expected no backward in progress, got one")
+            self._raise(RuntimeError,
+                        "register_comm_hook: expected no backward in progress, got one")
         self.reducer.comm_hook = (state, hook)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        """torch's C++ built-in hooks by enum: ``ALLREDUCE`` or ``FP16_COMPRESS`` (``dist.BuiltinCommHookType``)."""
+        """torch's C++ built-in hooks by enum: ``ALLREDUCE`` or ``FP16_COMPRESS``
+        (``dist.BuiltinCommHookType``)."""
         from ringlet.parallel.comm_hooks import default_hooks
 
         name = getattr(comm_hook_type, "name", str(comm_hook_type))
-        hooks = {"ALLREDUCE": default_hooks.allreduce_hook, "FP16_COMPRESS": default_hooks.fp16_compress_hook}
+        hooks = {"ALLREDUCE": default_hooks.allreduce_hook,
+                 "FP16_COMPRESS": default_hooks.fp16_compress_hook}
         if name not in hooks:
-            self._raise(ValueError, f"_register_builtin_comm_hook: expected ALLREDUCE or FP16_COMPRESS, got {name}")
+            self._raise(ValueError,
+                        "_register_builtin_comm_hook: expected ALLREDUCE or FP16_COMPRESS, got "
+                        f"{name}")
         self.register_comm_hook(self.process_group, hooks[name])
 
     def _set_static_graph(self) -> None:
         """torch's older way to ask for ``static_graph=True`` (before the first iteration)."""
         if self.static_graph:
-            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            warnings.warn("You've set static_graph to be True, no need to set it again.",
+                          stacklevel=2)
             return
         if self.reducer.reductions or self._logging.forwards:
-            self._raise(RuntimeError, f"DDP._set_static_graph() should be called before training loop starts and "
-                                      f"after DistributedDataParallel is constructed (expected no iteration yet, "
-                                      f"got {self._logging.forwards} forwards on rank {self.process_group.rank()})")
+            self._raise(RuntimeError, "DDP._set_static_graph() should be called before training "
+                                      "loop starts and after DistributedDataParallel is "
+                                      "constructed (expected no iteration yet, got "
+                                      f"{self._logging.forwards} forwards on rank "
+                                      f"{self.process_group.rank()})")
         self.static_graph = self.reducer.static_graph = True
         self.reducer._record = True
         self.reducer._recording = self.reducer.reductions == 0
@@ -286,7 +306,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # -- logging data and checks ---------------------------------------------------------------
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """Configuration, bucket layout, sampled timings (ns) and the last error (see ``_logging.py``)."""
+        """Configuration, bucket layout, sampled timings (ns) and the last error (see
+        ``_logging.py``)."""
         return dict(self._logging.data)
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
@@ -299,7 +320,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # -- pickling ------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        """The module and settings; the group and the reducer are rebuilt on unpickling (as in torch).
+        """The module and settings; the group and the reducer are rebuilt on unpickling (as in
+        torch).
 
         Raises:
             RuntimeError: DDP runs on a group other than the default one.
@@ -307,16 +329,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         from ringlet.c10d.world import resolve_group
 
         if self.process_group is not resolve_group(None):
-            self._raise(RuntimeError, "DDP Pickling/Unpickling are only supported when using DDP with the default "
-                                      "process group (expected the default group, got one passed as "
-                                      "process_group or device_mesh)")
+            self._raise(RuntimeError, "DDP Pickling/Unpickling are only supported when using DDP "
+                                      "with the default process group (expected the default group, "
+                                      "got one passed as process_group or device_mesh)")
         state = dict(self.__dict__)
         for key in ("process_group", "reducer", "_logging", "device_mesh"):
             state.pop(key, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Attach to the current default group and rebuild the reducer (no construction-time sync)."""
+        """Attach to the current default group and rebuild the reducer (no construction-time
+        sync)."""
         from ringlet.c10d.world import resolve_group
 
         self.__dict__.update(state)
@@ -358,7 +381,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self.process_group
 
     @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module,
+                                                    params_and_buffers_to_ignore: Any
                                                     ) -> None:
         """Exclude these fully-qualified names from DDP's broadcast and reduction (torch's API)."""
         module._ddp_params_and_buffers_to_ignore = list(params_and_buffers_to_ignore)  # type: ignore[assignment]
