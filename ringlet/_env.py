@@ -3,32 +3,52 @@
 | variable | meaning | default |
 |---|---|---|
 | ``RINGLET_TIMEOUT`` | default deadline (seconds) of every blocking call | 300 |
-| ``RINGLET_DEBUG`` | ``OFF``, ``INFO`` or ``DETAIL`` (cross-rank fingerprint checks with call sites) | OFF |
+| ``RINGLET_DEBUG`` | ``OFF``, ``INFO`` or ``DETAIL`` (cross-rank fingerprint checks with call
+  sites) | OFF |
 | ``RINGLET_STORE_TOKEN`` | run token a TCPStore client must present | unset |
-| ``RINGLET_STORE_TOKEN_FILE`` | file (mode 0600) holding the run token; the launcher sets it | unset |
-| ``RINGLET_RUNTIME_DIR`` | private (0700) directory of this user's host secrets (stores started without a token) | ``/tmp/ringlet-<uid>`` |
+| ``RINGLET_STORE_TOKEN_FILE`` | file (mode 0600) holding the run token; the launcher sets it
+  | unset |
+| ``RINGLET_RUNTIME_DIR`` | private (0700) directory of this user's host secrets (stores started
+  without a token) | ``/tmp/ringlet-<uid>`` |
 | ``RINGLET_SHM_SLOT_BYTES`` | bytes of one shared-memory slot (chunk size) per rank | 1 MiB |
-| ``RINGLET_SHM_BUFFER_BYTES`` | address space reserved per rank for communication buffers in a group's shared memory (``comm_buffer``; committed only as buffers are allocated); 0: none | 16 GiB |
-| ``RINGLET_SAFE_OBJECTS`` | ``1`` on every rank: object collectives build only plain data and tensors (``torch.load(weights_only=True)``; docs/security.md) | 0 |
-| ``RINGLET_HEARTBEAT_TIMEOUT`` | seconds without progress after which ``ringlet-run`` kills a worker (0: off); ``--heartbeat-timeout`` | 0 |
-| ``RINGLET_AGENT_STORE`` | ``1``: the launcher hosts the store; every rank connects as a client | 0 |
-| ``RINGLET_CHECKS`` | ``0``: skip the per-collective fingerprint comparison (for measuring its cost only) | 1 |
-| ``RINGLET_STRAGGLER_REPORT`` | seconds between per-rank straggler lines logged by the watchdog (0: off) | 0 |
-| ``RINGLET_IFNAME`` | network interface the tcp transport listens on (default: the one that reaches the store) | unset |
-| ``RINGLET_TCP_CHUNK_BYTES`` | pipelining chunk of the tcp transport's large-message algorithms | 1 MiB |
-| ``RINGLET_NO_FUTEX`` | ``1``: shared-memory waits back off on timers instead of sleeping on a futex (for tests and comparisons) | 0 |
-| ``RINGLET_FAULT`` | test-only fault injection, e.g. ``rank=1;at=collective:seq=5;do=sigkill`` | unset |
-| ``RINGLET_CKPT_FAULT`` | test-only: ``rank=1;after_bytes=N;do=sigkill`` kills that rank N bytes into writing its checkpoint shard | unset |
+| ``RINGLET_SHM_BUFFER_BYTES`` | address space reserved per rank for communication buffers in a
+  group's shared memory (``comm_buffer``; committed only as buffers are allocated); 0: none
+  | 16 GiB |
+| ``RINGLET_SAFE_OBJECTS`` | ``1`` on every rank: object collectives build only plain data and
+  tensors (``torch.load(weights_only=True)``; docs/security.md) | 0 |
+| ``RINGLET_HEARTBEAT_TIMEOUT`` | seconds without progress after which ``ringlet-run`` kills a
+  worker (0: off); ``--heartbeat-timeout`` | 0 |
+| ``RINGLET_AGENT_STORE`` | ``1``: the launcher hosts the store; every rank connects as a client
+  | 0 |
+| ``RINGLET_CHECKS`` | ``0``: skip the per-collective fingerprint comparison (for measuring its cost
+  only) | 1 |
+| ``RINGLET_STRAGGLER_REPORT`` | seconds between per-rank straggler lines logged by the watchdog (0:
+  off) | 0 |
+| ``RINGLET_IFNAME`` | network interface the tcp transport listens on (default: the one that reaches
+  the store) | unset |
+| ``RINGLET_TCP_CHUNK_BYTES`` | pipelining chunk of the tcp transport's large-message algorithms
+  | 1 MiB |
+| ``RINGLET_NO_FUTEX`` | ``1``: shared-memory waits back off on timers instead of sleeping on a
+  futex (for tests and comparisons) | 0 |
+| ``RINGLET_FAULT`` | test-only fault injection, e.g. ``rank=1;at=collective:seq=5;do=sigkill``
+  | unset |
+| ``RINGLET_CKPT_FAULT`` | test-only: ``rank=1;after_bytes=N;do=sigkill`` kills that rank N bytes
+  into writing its checkpoint shard | unset |
 
 torch's variables that users already set are honoured too (a ``RINGLET_*`` one wins):
 
 | variable | meaning in ringlet | default |
 |---|---|---|
-| ``TORCH_DISTRIBUTED_DEBUG`` | same as ``RINGLET_DEBUG`` (``set_debug_level_from_env()`` reads it again) | OFF |
-| ``GLOO_SOCKET_IFNAME`` | same as ``RINGLET_IFNAME`` (the first of a comma-separated list) | unset |
-| ``TORCH_CPP_LOG_LEVEL`` | level of ringlet's log (logger ``ringlet``): ``INFO``, ``WARNING``, ``ERROR``, ``FATAL`` | unset: quiet |
-| ``TORCH_SHOW_CPP_STACKTRACES`` | ``1``: hang reports carry every rank's full Python stack, not only the innermost user frame | 0 |
-| ``TORCHELASTIC_RUN_ID``, ``LOCAL_RANK`` | read by ``is_torchelastic_launched()`` and ``get_node_local_rank()`` | set by ringlet-run |
+| ``TORCH_DISTRIBUTED_DEBUG`` | same as ``RINGLET_DEBUG`` (``set_debug_level_from_env()`` reads it
+  again) | OFF |
+| ``GLOO_SOCKET_IFNAME`` | same as ``RINGLET_IFNAME`` (the first of a comma-separated list)
+  | unset |
+| ``TORCH_CPP_LOG_LEVEL`` | level of ringlet's log (logger ``ringlet``): ``INFO``, ``WARNING``,
+  ``ERROR``, ``FATAL`` | unset: quiet |
+| ``TORCH_SHOW_CPP_STACKTRACES`` | ``1``: hang reports carry every rank's full Python stack, not
+  only the innermost user frame | 0 |
+| ``TORCHELASTIC_RUN_ID``, ``LOCAL_RANK`` | read by ``is_torchelastic_launched()`` and
+  ``get_node_local_rank()`` | set by ringlet-run |
 
 Set by ``ringlet-run`` for its workers, not by hand: ``RINGLET_RUN_DIR`` (the run's private
 directory), ``RINGLET_GENERATION`` (the restart count), ``RINGLET_LAUNCHER_PID``,
@@ -187,8 +207,8 @@ def ifname() -> str | None:
 
 
 _LOG_LEVELS = {"INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
-               "FATAL": logging.CRITICAL, "0": logging.INFO, "1": logging.WARNING, "2": logging.ERROR,
-               "3": logging.CRITICAL}
+               "FATAL": logging.CRITICAL, "0": logging.INFO, "1": logging.WARNING,
+               "2": logging.ERROR, "3": logging.CRITICAL}
 
 
 def log_level() -> int | None:
@@ -197,17 +217,21 @@ def log_level() -> int | None:
     if not raw:
         return None
     if raw not in _LOG_LEVELS:
-        raise ValueError(f"TORCH_CPP_LOG_LEVEL: expected INFO, WARNING, ERROR or FATAL, got {raw!r}")
+        raise ValueError("TORCH_CPP_LOG_LEVEL: expected INFO, WARNING, ERROR or FATAL, got "
+                         f"{raw!r}")
     return _LOG_LEVELS[raw]
 
 
 def show_stacktraces() -> bool:
-    """``TORCH_SHOW_CPP_STACKTRACES=1``: errors that report peers (hang reports) carry full stacks."""
-    return os.environ.get("TORCH_SHOW_CPP_STACKTRACES", "0").strip() not in ("", "0", "false", "False")
+    """``TORCH_SHOW_CPP_STACKTRACES=1``: errors that report peers (hang reports) carry full
+    stacks."""
+    raw = os.environ.get("TORCH_SHOW_CPP_STACKTRACES", "0").strip()
+    return raw not in ("", "0", "false", "False")
 
 
 def tcp_chunk_bytes() -> int:
-    """``RINGLET_TCP_CHUNK_BYTES``: bytes per pipelined frame of the tcp transport (default 1 MiB)."""
+    """``RINGLET_TCP_CHUNK_BYTES``: bytes per pipelined frame of the tcp transport
+    (default 1 MiB)."""
     raw = os.environ.get("RINGLET_TCP_CHUNK_BYTES")
     if not raw:
         return DEFAULT_TCP_CHUNK_BYTES

@@ -40,5 +40,6 @@ def check_torch(version: str) -> None:
     if not TORCH_MIN <= got < TORCH_MAX_EXCLUSIVE:
         lo = ".".join(map(str, TORCH_MIN))
         hi = ".".join(map(str, TORCH_MAX_EXCLUSIVE))
-        raise ImportError(f"ringlet {__version__} needs torch >= {lo}, < {hi}; this environment has "
-                          f"torch {version}. Install a supported torch (pip install 'torch>={lo},<{hi}')")
+        raise ImportError(f"ringlet {__version__} needs torch >= {lo}, < {hi}; this environment "
+                          f"has torch {version}. Install a supported torch (pip install "
+                          f"'torch>={lo},<{hi}')")

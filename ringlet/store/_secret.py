@@ -57,8 +57,8 @@ def secret_dir(create: bool) -> str | None:
         raise DistStoreError(
             f"host secret directory {path}: expected a directory owned by uid {os.geteuid()} with "
             f"mode 0700, got uid {st.st_uid} mode {oct(st.st_mode & 0o7777)} "
-            f"({'not a directory' if not stat.S_ISDIR(st.st_mode) else 'someone else may read it'});"
-            " remove it or set RINGLET_RUNTIME_DIR", path=path)
+            f"({'not a directory' if not stat.S_ISDIR(st.st_mode) else 'someone else may read it'})"
+            "; remove it or set RINGLET_RUNTIME_DIR", path=path)
     return path
 
 

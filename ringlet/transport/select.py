@@ -1,4 +1,5 @@
-"""Transport selection: the backend-string grammar and the one factory that opens a group's transport.
+"""Transport selection: the backend-string grammar and the one factory that opens a group's
+transport.
 
 The process-group layer never names a concrete transport: it canonicalises the user's
 ``backend`` string with :func:`parse_backend` (once, at ``init_process_group``/``new_group``)
@@ -56,7 +57,8 @@ class _Registered:
 
 @dataclasses.dataclass
 class TransportOptions:
-    """What a registered ``extended_api`` factory receives (torch's ``_DistributedBackendOptions``)."""
+    """What a registered ``extended_api`` factory receives (torch's
+    ``_DistributedBackendOptions``)."""
 
     store: Any
     group_rank: int
@@ -82,11 +84,13 @@ def register_transport(name: str, factory: Callable[..., Any], devices: Sequence
     """
     key = name.strip().lower() if isinstance(name, str) else ""
     if not key or ":" in key or "," in key:
-        raise ValueError(f"register_backend: name: expected a plain name such as 'mytransport', got {name!r}")
+        raise ValueError("register_backend: name: expected a plain name such as 'mytransport', got "
+                         f"{name!r}")
     if key in OURS or key in TORCH_CPU_NAMES or key in ("nccl", "ucc", "xccl"):
         raise ValueError(f"register_backend: {name!r} is a built-in backend name; choose another")
     if not callable(factory):
-        raise TypeError(f"register_backend: func: expected a callable, got {type(factory).__name__}")
+        raise TypeError("register_backend: func: expected a callable, got "
+                        f"{type(factory).__name__}")
     with _lock:
         if key in _registry:
             raise ValueError(f"register_backend: backend {key!r} is already registered")
@@ -103,8 +107,8 @@ def registered_names() -> list[str]:
 
 def _bad_backend(backend: Any) -> ValueError:
     names = (*OURS, "gloo", "torch:gloo", "torch:nccl", *registered_names())
-    return ValueError(f"init_process_group: backend: expected one of {names} or a per-device string like "
-                      f"'cpu:gloo,cuda:nccl', got {backend!r}")
+    return ValueError(f"init_process_group: backend: expected one of {names} or a per-device "
+                      f"string like 'cpu:gloo,cuda:nccl', got {backend!r}")
 
 
 def parse_backend(backend: str | None) -> str:
@@ -131,19 +135,21 @@ def _parse_per_device(name: str, backend: str | None) -> str:
     for part in name.split(","):
         dev, sep, val = part.strip().partition(":")
         if not sep or dev not in ("cpu", "cuda") or not val:
-            raise ValueError(f"init_process_group: backend: expected 'device:backend' entries such as "
-                             f"'cpu:torch:gloo,cuda:torch:nccl', got {backend!r}")
+            raise ValueError("init_process_group: backend: expected 'device:backend' entries such "
+                             f"as 'cpu:torch:gloo,cuda:torch:nccl', got {backend!r}")
         parts[dev] = val
     cpu, cuda = parts.get("cpu", "auto"), parts.get("cuda")
     if cpu in ("nccl", "torch:nccl"):
-        raise ValueError(f"init_process_group: backend: nccl serves CUDA tensors, not 'cpu' ({backend!r})")
+        raise ValueError("init_process_group: backend: nccl serves CUDA tensors, not 'cpu' "
+                         f"({backend!r})")
     if cuda is not None and cuda not in ("nccl", "torch:nccl"):
-        raise ValueError(f"init_process_group: backend: cuda: expected 'nccl' (torch's NCCL engine, "
+        raise ValueError("init_process_group: backend: cuda: expected 'nccl' (torch's NCCL engine, "
                          f"through ringlet's adapter), got {cuda!r} in {backend!r}")
     if cpu == "torch:gloo":
         return "torch:gloo,nccl" if cuda else "torch:gloo"
     if cpu.startswith(("cpu:", "cuda:")):
-        raise ValueError(f"init_process_group: backend: expected 'device:backend' entries, got {backend!r}")
+        raise ValueError("init_process_group: backend: expected 'device:backend' entries, got "
+                         f"{backend!r}")
     base = parse_backend(cpu)
     return f"{base}{CUDA_NCCL}" if cuda else base
 
@@ -246,8 +252,9 @@ def _open_registered(reg: _Registered, store: Any, rank: int, n: int, timeout: f
     else:
         made = reg.factory(store, rank, n, td)
     if not isinstance(made, Transport):
-        raise TypeError(f"backend {reg.name!r}: the registered creator returned {type(made).__name__}; "
-                        "expected a ringlet.transport.base.Transport (see docs/usage.md, 'Custom backends')")
+        raise TypeError(f"backend {reg.name!r}: the registered creator returned "
+                        f"{type(made).__name__}; expected a ringlet.transport.base.Transport (see "
+                        "docs/usage.md, 'Custom backends')")
     if "devices" not in vars(made) and type(made).devices == Transport.devices:
         made.devices = reg.devices
     return made

@@ -186,7 +186,8 @@ class TorchEngineTransport(Transport):
         return self._pg(t, ctx)
 
     def _run(self, ctx: OpContext, call: Any, t: torch.Tensor | None = None) -> Any:
-        """Issue ``call()`` and wait for it: on the stream for a CUDA ``t``, on the host otherwise."""
+        """Issue ``call()`` and wait for it: on the stream for a CUDA ``t``, on the host
+        otherwise."""
         try:
             work = call()
         except RuntimeError as e:
