@@ -1,0 +1,106 @@
+"""Rank bodies of tests/test_gpu.py (module level so that they pickle by reference).
+
+The CUDA ones run only where a GPU is present; they compare a distributed run with the same
+training in one process, on the same device.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+import ringlet.distributed as dist
+from ringlet.nn.parallel import DistributedDataParallel
+
+STEPS = 5
+
+
+def nccl_names_on_cpu(rank: int, n: int) -> dict[str, Any]:
+    """The world is 'nccl'; groups made with torch's other spellings; CPU tensors on each."""
+    groups = {"nccl": dist.group.WORLD,
+              "cuda:nccl": dist.new_group(backend="cuda:nccl"),
+              "cpu:gloo,cuda:nccl": dist.new_group(backend="cpu:gloo,cuda:nccl")}
+    out = {}
+    for name, g in groups.items():
+        t = torch.full((4,), float(rank + 1))
+        dist.all_reduce(t, group=g)
+        out[name] = (dist.get_backend(g), float(t[0]), g.transport_name)
+    return out
+
+
+def _model(device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
+
+
+def _batches(n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The whole batch of every step for ``n`` ranks (the same on every rank)."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4 * n, 8, generator=g).to(device),
+             torch.randn(4 * n, 4, generator=g).to(device)) for _ in range(STEPS)]
+
+
+def _train(model: nn.Module, batches: list[Any], rank: int, n: int) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in batches:
+        rows = slice(4 * rank, 4 * rank + 4) if n > 1 else slice(None)
+        loss = nn.functional.mse_loss(model(x[rows]), y[rows])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _compare_ddp(rank: int, n: int, device: torch.device, **ddp_kwargs: Any) -> None:
+    local = _model(device)
+    ddp = DistributedDataParallel(copy.deepcopy(local), **ddp_kwargs)
+    _train(ddp, _batches(n, device), rank, n)
+    _train(local, _batches(n, device), 0, 1)          # the whole batch in one process
+    for (name, a), b in zip(ddp.module.named_parameters(), local.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {name}")
+
+
+def ddp_vs_local(rank: int, n: int) -> str:
+    """DDP on cuda:0 with device_ids, against the same training without DDP."""
+    device = torch.device("cuda", 0)
+    _compare_ddp(rank, n, device, device_ids=[0])
+    return "ok"
+
+
+def shared_gpu(rank: int, n: int) -> str:
+    """2 ranks on cuda:0 ('gloo': staged): collectives after a slow kernel, then DDP."""
+    device = torch.device("cuda", 0)
+    t = torch.full((1 << 16,), float(rank + 1), device=device)
+    torch.cuda._sleep(50_000_000)                 # the collective must wait for this kernel
+    t.mul_(2)
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    expect = 2.0 * sum(range(1, n + 1))
+    torch.testing.assert_close(t, torch.full_like(t, expect))
+    out = torch.empty(n * 4, device=device)
+    dist.all_gather_into_tensor(out, torch.full((4,), float(rank), device=device))
+    assert out.cpu().tolist() == [float(r) for r in range(n) for _ in range(4)], out
+    _compare_ddp(rank, n, device)
+    return "ok"
+
+
+def fsdp_vs_local(rank: int, n: int) -> str:
+    """fully_shard on CUDA against the same training without it."""
+    from ringlet.distributed.fsdp import fully_shard
+
+    device = torch.device("cuda", 0)
+    local = _model(device)
+    sharded = copy.deepcopy(local)
+    for layer in sharded:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(sharded)
+    got = _train(sharded, _batches(n, device), rank, n)
+    want = _train(local, _batches(n, device), 0, 1)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
+    return "ok"
