@@ -392,7 +392,8 @@ def _check_local(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
         raise ValueError(f"DTensor.from_local: rank {mesh.get_rank()}: expected a local tensor of "
                          f"shape {want} for global shape {list(spec.shape)} with "
                          f"{list(spec.placements)}, got {list(local.shape)}")
-    probe = torch.tensor([_DTYPE_CODES.get(local.dtype, -1)] + list(spec.shape), dtype=torch.int64)
+    probe = torch.tensor([_DTYPE_CODES.get(local.dtype, -1)] + list(spec.shape), dtype=torch.int64,
+                         device=local.device)
     for axis in range(mesh.ndim):
         sizes = [1] * mesh.shape[axis]
         seen = _comm.all_gather(probe.unsqueeze(0), mesh, axis, 0, sizes)

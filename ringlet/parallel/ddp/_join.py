@@ -28,6 +28,7 @@ import torch
 
 from ringlet.c10d import ReduceOp, all_reduce
 from ringlet.parallel.ddp import _checks
+from ringlet.parallel.ddp._cuda import aux_device
 from ringlet.parallel.join import Join, Joinable, JoinHook
 
 if TYPE_CHECKING:
@@ -58,7 +59,8 @@ class DDPJoinHook(JoinHook):
         """Make every rank's final parameters and buffers those of the last joiner."""
         ddp = self.ddp
         pg = ddp.process_group
-        src = torch.tensor([pg.rank() if is_last_joiner else -1])
+        src = torch.tensor([pg.rank() if is_last_joiner else -1],
+                           device=aux_device(pg, ddp.device))
         with ddp.reducer.annotate("final model sync after Join"):
             all_reduce(src, op=ReduceOp.MAX, group=pg)
             buffers = [b for _, b in ddp._named_buffers()]
@@ -86,7 +88,7 @@ def _agree(ddp: DistributedDataParallel, active: bool, sync: bool) -> tuple[bool
     """
     pg = ddp.process_group
     flags = torch.tensor([int(sync), pg.rank() if active else -1,
-                          int(ddp.reducer.rebuild_pending())])
+                          int(ddp.reducer.rebuild_pending())], device=aux_device(pg, ddp.device))
     with ddp.reducer.annotate("Join agreement"):
         all_reduce(flags, op=ReduceOp.MAX, group=pg)
     any_sync, src, rebuild = flags.tolist()
