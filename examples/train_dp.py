@@ -41,7 +41,8 @@ class CharMLP(nn.Module):
     def __init__(self, dim: int = 32, hidden: int = 256) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
-        self.net = nn.Sequential(nn.Linear(CONTEXT * dim, hidden), nn.GELU(), nn.Linear(hidden, VOCAB))
+        self.net = nn.Sequential(nn.Linear(CONTEXT * dim, hidden), nn.GELU(),
+                                 nn.Linear(hidden, VOCAB))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(self.embed(x).flatten(1))
@@ -77,7 +78,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=256, help="global batch size")
     ap.add_argument("--lr", type=float, default=0.5)
     ap.add_argument("--text", default=None)
-    ap.add_argument("--manual", action="store_true", help="average gradients with all_reduce, no DDP")
+    ap.add_argument("--manual", action="store_true",
+                    help="average gradients with all_reduce, no DDP")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -94,7 +96,8 @@ def main() -> int:
     if rank == 0:
         mode = "plain all_reduce" if args.manual else "DistributedDataParallel"
         print(f"data-parallel training ({mode}) on {world} ranks over '{dist.get_backend()}', "
-              f"{sum(p.numel() for p in model.parameters())} parameters, global batch {args.batch}", flush=True)
+              f"{sum(p.numel() for p in model.parameters())} parameters, global batch {args.batch}",
+              flush=True)
     t0 = time.perf_counter()
     for step in range(args.steps):
         x, y = global_batch(text, step, args.batch)
@@ -112,14 +115,17 @@ def main() -> int:
             ref_loss.backward()
             sgd_step(reference, args.lr)
             if step % 10 == 0 or step == args.steps - 1:
-                print(f"step {step:3d}  loss {mean_loss.item():.5f}  1-process reference {ref_loss.item():.5f}  "
+                print(f"step {step:3d}  loss {mean_loss.item():.5f}  1-process reference "
+                      f"{ref_loss.item():.5f}  "
                       f"({(time.perf_counter() - t0) / (step + 1) * 1e3:.1f} ms/step)", flush=True)
     status = 0
     if reference is not None:
-        diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+        diff = max((p - q).abs().max().item()
+                   for p, q in zip(model.parameters(), reference.parameters()))
         ok = diff < 1e-4
         print(f"max |parameter - reference| = {diff:.2e}: "
-              f"{'matches the 1-process run' if ok else 'DIVERGED from the 1-process run'}", flush=True)
+              f"{'matches the 1-process run' if ok else 'DIVERGED from the 1-process run'}",
+              flush=True)
         status = 0 if ok else 1
     dist.destroy_process_group()
     return status

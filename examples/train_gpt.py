@@ -42,10 +42,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--strategy", choices=STRATEGIES, default=d.strategy)
-    ap.add_argument("--tp", type=int, default=None, help="tensor-parallel degree for fsdp+tp/ddp+tp (default 2)")
+    ap.add_argument("--tp", type=int, default=None,
+                    help="tensor-parallel degree for fsdp+tp/ddp+tp (default 2)")
     ap.add_argument("--replicate", type=int, default=None, help="HSDP replica groups (default 2)")
     ap.add_argument("--steps", type=int, default=d.steps)
-    ap.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step, all ranks")
+    ap.add_argument("--batch-size", type=int, default=d.batch_size,
+                    help="sequences per step, all ranks")
     ap.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")
     ap.add_argument("--block-size", type=int, default=d.block_size, help="context length (bytes)")
     ap.add_argument("--n-layer", type=int, default=d.n_layer)
@@ -57,14 +59,18 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                     help="clip the gradient norm to this (0: off; not with tensor parallelism)")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--bf16", action="store_true", help="compute in bfloat16 (weights stay fp32)")
-    ap.add_argument("--data", default=None, help="a text file to train on (default: Python's stdlib)")
-    ap.add_argument("--data-bytes", type=int, default=d.data_bytes, help="read at most this many bytes")
+    ap.add_argument("--data", default=None,
+                    help="a text file to train on (default: Python's stdlib)")
+    ap.add_argument("--data-bytes", type=int, default=d.data_bytes,
+                    help="read at most this many bytes")
     ap.add_argument("--eval-every", type=int, default=d.eval_every)
     ap.add_argument("--eval-batches", type=int, default=d.eval_batches)
     ap.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     ap.add_argument("--out", default=d.out, help="checkpoints, metrics.json and the plot")
-    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    ap.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="bytes to generate at the end")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the newest checkpoint in --out")
+    ap.add_argument("--sample-tokens", type=int, default=d.sample_tokens,
+                    help="bytes to generate at the end")
     ap.add_argument("--log-every", type=int, default=d.log_every)
     ap.add_argument("--breakdown-every", type=int, default=d.breakdown_every)
     ap.add_argument("--progress", choices=("auto", "bar", "lines", "off"), default=d.progress,
@@ -78,7 +84,8 @@ def main() -> int:
     torch.set_num_threads(1)           # one core per rank: ranks share this machine's cores
     with tempfile.TemporaryDirectory() as tmp:
         if "RANK" in os.environ:
-            dist.init_process_group()  # env:// from ringlet-run (or torchrun); shm between local ranks
+            # env:// from ringlet-run (or torchrun); shm between local ranks
+            dist.init_process_group()
         else:                          # plain `python train_gpt.py`: a world of one process
             print("train_gpt: not started by ringlet-run: training on 1 process "
                   "(ringlet-run --nproc-per-node 2 examples/train_gpt.py for 2)", flush=True)

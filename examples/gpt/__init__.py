@@ -1,1 +1,2 @@
-"""The pieces of ``examples/train_gpt.py``: model, data, strategies, training loop, observability."""
+"""The pieces of ``examples/train_gpt.py``: model, data, strategies, training loop,
+observability."""

@@ -74,7 +74,8 @@ def latest(out: str) -> str | None:
     root = os.path.join(out, "checkpoints")
     if not os.path.isdir(root):
         return None
-    steps = sorted((int(m.group(1)), name) for name in os.listdir(root) if (m := _STEP_DIR.match(name)))
+    steps = sorted((int(m.group(1)), name) for name in os.listdir(root)
+                   if (m := _STEP_DIR.match(name)))
     for _, name in reversed(steps):
         if os.path.exists(os.path.join(root, name, "trainer.json")):
             return os.path.join(root, name)

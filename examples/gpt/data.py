@@ -59,12 +59,14 @@ class TextData:
         tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         n_val = int(len(tokens) * val_fraction)
         if len(tokens) - n_val <= block_size + 1 or n_val <= block_size + 1:
-            raise ValueError(f"--data: expected at least {int(2 * (block_size + 2) / val_fraction)} bytes "
-                             f"(block size {block_size}, {val_fraction:.0%} held out), got {len(tokens)}")
+            raise ValueError("--data: expected at least "
+                             f"{int(2 * (block_size + 2) / val_fraction)} bytes (block size "
+                             f"{block_size}, {val_fraction:.0%} held out), got {len(tokens)}")
         return cls(tokens[:-n_val], tokens[-n_val:], block_size, description)
 
     def batch(self, split: str, key: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rows`` random windows of ``split`` chosen by ``key`` alone: inputs and next-byte targets.
+        """``rows`` random windows of ``split`` chosen by ``key`` alone: inputs and next-byte
+        targets.
 
         Every rank computes the same global batch for a key and takes its own rows, so the
         data a step sees does not depend on the strategy or the number of ranks, and a

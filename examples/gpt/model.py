@@ -31,7 +31,8 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
-            raise ValueError(f"GPTConfig: n_embd must divide by n_head, got {self.n_embd} and {self.n_head}")
+            raise ValueError(f"GPTConfig: n_embd must divide by n_head, got {self.n_embd} and "
+                             f"{self.n_head}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -46,7 +47,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism each rank sees only its own heads' columns.
-        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for lin in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -92,7 +94,8 @@ class GPT(nn.Module):
         # so the residual stream's variance does not grow with depth.
         for name, p in self.named_parameters():
             if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
+                std = (0.02 / math.sqrt(2 * self.cfg.n_layer)
+                       if name.endswith("proj.weight") else 0.02)
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -164,8 +164,8 @@ def stragglers(windows: list[Window], threshold: float = 0.05) -> list[str]:
         return [(f"  no straggler: the others wait for any one rank at most {100 * share:.0f}% "
                 "of their time")]
     steps = max(1, windows[worst].steps)
-    return [(f"  straggler: rank {worst} - the others waited {blame[worst] / steps * 1e3:.1f} ms/step "
-            f"for it ({100 * share:.0f}% of their time)")]
+    return [(f"  straggler: rank {worst} - the others waited {blame[worst] / steps * 1e3:.1f} "
+             f"ms/step for it ({100 * share:.0f}% of their time)")]
 
 
 def breakdown_table(windows: list[Window], title: str) -> list[str]:
@@ -195,14 +195,17 @@ class Progress:
         self._t0, self._step0 = time.perf_counter(), start
         self.bar = None
         if self.mode == "bar":
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stdout,
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
+                            file=sys.stdout,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} "
+                                       "[{elapsed}<{remaining}{postfix}]")
 
     def _rate(self, step: int) -> tuple[float, float]:
         """(tokens per second, seconds left) since this run started."""
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
         done = step + 1 - self._step0
-        return done * self.tokens_per_step / elapsed, (self.total - step - 1) * elapsed / max(done, 1)
+        return (done * self.tokens_per_step / elapsed,
+                (self.total - step - 1) * elapsed / max(done, 1))
 
     def update(self, step: int, loss: float | None = None) -> None:
         """Step ``step`` (0-based) is done; ``loss`` is the latest known global training loss."""

@@ -28,7 +28,8 @@ def print_header(write: Callable[[str], None], cfg: Any, par: Any, data: Any, st
     write(f"data: {data.description}: {len(data.train) / 1e6:.2f}M bytes to train on, "
           f"{len(data.val) / 1e6:.2f}M held out")
     write(f"batch: {cfg.batch_size} x {cfg.block_size} tokens per step ({tokens} tokens"
-          + (f", {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else "") + f"), {cfg.steps} steps"
+          + (f", {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else "")
+          + f"), {cfg.steps} steps"
           + (f", resuming after step {start}" if start else ""))
 
 
@@ -49,7 +50,8 @@ def finish(cfg: Any, par: Any, history: dict[str, Any], totals: list[Window], sa
             metrics["plot_series"] = plot(png, cfg, par, history, totals)
             print(f"plot: {png}", flush=True)
         except ImportError:
-            print("plot: skipped (matplotlib is not installed: pip install -e '.[examples]')", flush=True)
+            print("plot: skipped (matplotlib is not installed: pip install -e '.[examples]')",
+                  flush=True)
     with open(os.path.join(cfg.out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=1)
     print(f"metrics: {os.path.join(cfg.out, 'metrics.json')}", flush=True)
@@ -63,8 +65,8 @@ def summary_lines(cfg: Any, par: Any, history: dict[str, Any], totals: list[Wind
     losses = history["train_loss"]
     val = history["val"]
     lines = [f"== summary: {cfg.strategy} ({par.layout}), {len(totals)} ranks ==",
-             (f"trained steps {start + 1}-{cfg.steps} ({tokens / 1e6:.2f}M tokens) in {wall:.1f} s: "
-              f"{tokens / max(wall, 1e-9) / 1e3:.1f}k tokens/s"),
+             (f"trained steps {start + 1}-{cfg.steps} ({tokens / 1e6:.2f}M tokens) in {wall:.1f} "
+              f"s: {tokens / max(wall, 1e-9) / 1e3:.1f}k tokens/s"),
              f"training loss {losses[0]:.3f} (step 1) -> {losses[-1]:.3f} (step {len(losses)})"]
     if val:
         lines.append("validation loss " + ", ".join(f"{v:.3f} (step {s})" for s, v in val))
@@ -74,8 +76,8 @@ def summary_lines(cfg: Any, par: Any, history: dict[str, Any], totals: list[Wind
         f"{op} {n / n0:.1f}" for op, n in sorted(totals[0].by_op.items()) if n / n0 >= 0.05))
     lines.append("  rank   comm elements/step   peak RSS MiB   params+grads+Adam MiB")
     for r, w in enumerate(totals):
-        lines.append(f"  {r:>4}   {w.elements / max(1, w.steps) / 1e6:14.2f}M   {w.rss_mib:12.0f}   "
-                     f"{w.state_mib:21.2f}")
+        lines.append(f"  {r:>4}   {w.elements / max(1, w.steps) / 1e6:14.2f}M   "
+                     f"{w.rss_mib:12.0f}   {w.state_mib:21.2f}")
     return lines
 
 
@@ -102,7 +104,8 @@ def plot(path: str, cfg: Any, par: Any, history: dict[str, Any], totals: list[Wi
         ms = [w.fractions()[i] * w.step_s / max(1, w.steps) * 1e3 for w in totals]
         ax_time.barh(ranks, ms, left=left, height=0.6, label=name)
         left = [a + b for a, b in zip(left, ms, strict=True)]
-    ax_time.set(xlabel="ms per step", ylabel="rank", yticks=ranks, title="where each rank's time went")
+    ax_time.set(xlabel="ms per step", ylabel="rank", yticks=ranks,
+                title="where each rank's time went")
     ax_time.invert_yaxis()
     ax_time.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
     fig.tight_layout()

@@ -72,7 +72,8 @@ class Layout:
 
 def default_layout(strategy: str, world_size: int, tp: int | None = None,
                    replicate: int | None = None) -> Layout:
-    """The layout a strategy uses on ``world_size`` ranks unless ``--tp``/``--replicate`` say otherwise.
+    """The layout a strategy uses on ``world_size`` ranks unless ``--tp``/``--replicate`` say
+    otherwise.
 
     HSDP replicates over 2 groups (and shards within each); the 2-d strategies use tensor
     parallelism of degree 2 (it needs the fastest links, so it is kept small) and data
@@ -114,7 +115,8 @@ class Parallel:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes in here accumulate gradients without communicating (gradient accumulation)."""
+        """Backward passes in here accumulate gradients without communicating (gradient
+        accumulation)."""
         if isinstance(self.model, DDP):
             with self.model.no_sync():
                 yield
@@ -132,7 +134,8 @@ class Parallel:
         return loss_parallel() if self.layout.tp > 1 else contextlib.nullcontext()
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 compute: fully_shard does it with a MixedPrecisionPolicy, the others with autocast."""
+        """bf16 compute: fully_shard does it with a MixedPrecisionPolicy, the others with
+        autocast."""
         if not self.bf16 or self.layout.strategy in ("fsdp", "hsdp", "fsdp+tp"):
             return contextlib.nullcontext()
         return torch.autocast("cpu", dtype=torch.bfloat16)
@@ -149,7 +152,8 @@ def parallelize(model: nn.Module, layout: Layout, bf16: bool = False) -> Paralle
         model = DDP(model, device_mesh=mesh["dp"])
     elif s in ("fsdp", "hsdp", "fsdp+tp"):
         dp_mesh = mesh if s == "hsdp" else mesh["dp"]
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if bf16 else None)
         kw = {"mp_policy": mp} if mp is not None else {}
         for block in model.blocks:              # one all-gather / reduce-scatter per block ...
             fully_shard(block, mesh=dp_mesh, **kw)
@@ -170,7 +174,8 @@ def _tensor_parallel(model: nn.Module, tp_mesh: object) -> None:
     """
     tp = tp_mesh.size()
     if model.cfg.n_head % tp:
-        raise ValueError(f"--tp: expected a divisor of the number of heads {model.cfg.n_head}, got {tp}")
+        raise ValueError(f"--tp: expected a divisor of the number of heads {model.cfg.n_head}, got "
+                         f"{tp}")
     plan = {
         "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
         "attn.proj": RowwiseParallel(),

@@ -133,10 +133,10 @@ def check_config(cfg: TrainConfig, dp: int, tp: int) -> None:
     if cfg.grad_clip > 0 and tp > 1:
         # Under TP some parameters are DTensors and some plain (and DDP hands DDP+TP's to the
         # optimizer as local shards): clip_grad_norm_ would see only this rank's pieces.
-        raise ValueError(f"--grad-clip: expected 0 with tensor parallelism (--strategy {cfg.strategy}), "
-                         f"got {cfg.grad_clip}")
-    for flag in ("steps", "grad_accum", "eval_every", "eval_batches", "checkpoint_every", "log_every",
-                 "breakdown_every"):
+        raise ValueError("--grad-clip: expected 0 with tensor parallelism (--strategy "
+                         f"{cfg.strategy}), got {cfg.grad_clip}")
+    for flag in ("steps", "grad_accum", "eval_every", "eval_batches", "checkpoint_every",
+                 "log_every", "breakdown_every"):
         if getattr(cfg, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(cfg, flag)}")
     if cfg.batch_size % (cfg.grad_accum * dp):
@@ -171,7 +171,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         state = checkpoint.load(path, par.model, opt)
         start, history = state["step"], state["history"]
     tokens_per_step = cfg.batch_size * cfg.block_size
-    progress = Progress(cfg.steps, start, tokens_per_step, cfg.progress, cfg.log_every, enabled=rank == 0)
+    progress = Progress(cfg.steps, start, tokens_per_step, cfg.progress, cfg.log_every,
+                        enabled=rank == 0)
     if rank == 0:
         report.print_header(progress.write, cfg, par, data, start)
     if start == 0:
@@ -195,7 +196,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             progress.write(f"step {done}: validation loss {history['val'][-1][1]:.4f}")
         if done % cfg.breakdown_every == 0 and done < cfg.steps:
             windows = gather_windows(meter.take_window())
-            for line in breakdown_table(windows, f"per-rank time, steps {done - windows[0].steps + 1}-{done}:"):
+            for line in breakdown_table(windows,
+                                        "per-rank time, steps "
+                                        f"{done - windows[0].steps + 1}-{done}:"):
                 progress.write(line)
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             path = checkpoint.save(cfg.out, done, par.model, opt,
