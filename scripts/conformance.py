@@ -293,7 +293,8 @@ def _rank_main(mod: types.ModuleType, cls: type, name: str, rank: int, init_file
     code = 0
     try:
         dist.init_process_group(init_method=self.init_method, backend=mod.BACKEND,
-                                world_size=int(self.world_size), rank=rank, timeout=timedelta(seconds=seconds))
+                                world_size=int(self.world_size), rank=rank,
+                                timeout=timedelta(seconds=seconds))
         self._barrier()
         getattr(self, name)()
         self._barrier()
@@ -327,7 +328,8 @@ def run_one(mod: types.ModuleType, cls: type, name: str, world_size: int, timeou
     if os.path.exists(shared_init):
         os.remove(shared_init)
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_rank_main, args=(mod, cls, name, r, os.path.join(tmp, "init"), tmp),
+    procs = [ctx.Process(target=_rank_main,
+                         args=(mod, cls, name, r, os.path.join(tmp, "init"), tmp),
                          name=f"rank{r}") for r in range(world_size)]
     t0 = time.monotonic()
     for p in procs:
@@ -364,7 +366,8 @@ def _judge(name: str, procs: list[Any], tmp: str, seconds: float, timed_out: boo
             with open(path) as f:
                 errors.append((r, f.read()))
     if timed_out:
-        return Result(name, "timeout", seconds, f"ranks {codes} after {seconds:.0f} s; logs in {tmp}")
+        return Result(name, "timeout", seconds,
+                      f"ranks {codes} after {seconds:.0f} s; logs in {tmp}")
     if TEST_ERROR_EXIT not in codes:
         skips = [SKIP_CODES[c] for c in codes if c in SKIP_CODES]
         if skips:
@@ -381,7 +384,8 @@ def _judge(name: str, procs: list[Any], tmp: str, seconds: float, timed_out: boo
 def _exception_line(tb: str) -> str:
     """The first line of the exception a traceback ends with."""
     lines = tb.strip().splitlines()
-    heads = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Failure)\b", ln)]
+    heads = [ln for ln in lines
+             if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Failure)\b", ln)]
     return (heads[-1] if heads else lines[-1])[:300]
 
 
@@ -410,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print("\n".join(names))
         return 0
-    print(f"conformance: {len(names)} tests of {SUITE}, impl {args.impl}, world size {args.world_size}",
+    print(f"conformance: {len(names)} tests of {SUITE}, impl {args.impl}, world size "
+          f"{args.world_size}",
           flush=True)
     results = []
     for name in names:
@@ -425,7 +430,8 @@ def _summary(results: list[Result], args: argparse.Namespace, run_dir: str) -> i
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "timeout", "skip")}
     failed = counts["fail"] + counts["timeout"]
     print(f"{counts['pass']} passed, {failed} failed, {counts['skip']} skipped "
-          f"({sum(r.seconds for r in results):.0f} s; impl {args.impl}, world size {args.world_size})")
+          f"({sum(r.seconds for r in results):.0f} s; impl {args.impl}, world size "
+          f"{args.world_size})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"impl": args.impl, "world_size": args.world_size,

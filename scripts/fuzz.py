@@ -49,8 +49,10 @@ def run_batch(tier: str, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--examples", type=int, default=0, help="stop after this many cases (0: no limit)")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--examples", type=int, default=0,
+                   help="stop after this many cases (0: no limit)")
     p.add_argument("--minutes", type=float, default=1.0, help="stop after this long")
     p.add_argument("--batch", type=int, default=100, help="cases per world")
     p.add_argument("--tiers", default="threads,shm,tcp", help="comma-separated: threads, shm, tcp")
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     deadline = t0 + 60 * args.minutes
     done, failed = 0, False
-    while time.monotonic() < deadline and not failed and (not args.examples or done < args.examples):
+    while time.monotonic() < deadline and not failed and (not args.examples
+                                                          or done < args.examples):
         for batch in draw_batches(len(tiers) * 4, args.batch):
             tier = min(tiers, key=lambda t: totals[t]["worlds"])     # the tiers take turns
             try:
@@ -84,11 +87,12 @@ def main(argv: list[str] | None = None) -> int:
                 break
     elapsed = time.monotonic() - t0
     for tier, c in totals.items():
-        print(f"{tier:8s} worlds {c['worlds']:5d}  cases {c['run']:7d}  refused {c['rejected']:7d}  "
-              f"passed {c['passed']:7d}")
+        print(f"{tier:8s} worlds {c['worlds']:5d}  cases {c['run']:7d}  refused "
+              f"{c['rejected']:7d}  passed {c['passed']:7d}")
     total = {k: sum(c[k] for c in totals.values()) for k in ("run", "rejected", "passed")}
-    print(f"total    cases {total['run']} (refused {total['rejected']}, passed {total['passed']}) in "
-          f"{elapsed / 60:.1f} min: {'FAILED' if failed else 'no crash, hang, wrong value or unusable group'}")
+    print(f"total    cases {total['run']} (refused {total['rejected']}, passed {total['passed']}) "
+          f"in {elapsed / 60:.1f} min: "
+          f"{'FAILED' if failed else 'no crash, hang, wrong value or unusable group'}")
     return 1 if failed else 0
 
 

@@ -42,12 +42,15 @@ def main() -> int:
             kill = G.draw(rng.randrange(1 << 30))
             start = time.monotonic()
             out = G.run(root / f"run{i}", kill)
-            diff = G.differences(root / "ref", root / f"run{i}") if out.returncode == 0 else ["launcher failed"]
+            diff = (G.differences(root / "ref", root / f"run{i}") if out.returncode == 0
+                    else ["launcher failed"])
             restarted = "restarting workers (1/2)" in out.stderr
             good = not diff and restarted
             ok += good
-            where = f"rank {kill[0]} step {kill[1]}" + (f" ({kill[2]} bytes into its shard)" if len(kill) > 2 else "")
-            print(f"run {i + 1:2d}: kill {where:<40} {'bitwise equal' if good else 'DIFFERS: ' + str(diff)} "
+            where = f"rank {kill[0]} step {kill[1]}" + (f" ({kill[2]} bytes into its shard)"
+                                                        if len(kill) > 2 else "")
+            print(f"run {i + 1:2d}: kill {where:<40} "
+                  f"{'bitwise equal' if good else 'DIFFERS: ' + str(diff)} "
                   f"({time.monotonic() - start:.1f} s)", flush=True)
             if out.returncode != 0:
                 print(out.stderr[-2000:])
