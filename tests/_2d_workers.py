@@ -39,7 +39,8 @@ class TPMLP(nn.Module):
         return y.full_tensor() if isinstance(y, DTensor) else y
 
 
-TP_PLACEMENTS = {"fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1), "fc2.bias": R}
+TP_PLACEMENTS = {"fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1),
+                 "fc2.bias": R}
 
 
 def make_ref(seed: int = 0, dims: tuple[int, int, int] = (6, 8, 4)) -> TPMLP:
@@ -49,7 +50,8 @@ def make_ref(seed: int = 0, dims: tuple[int, int, int] = (6, 8, 4)) -> TPMLP:
 
 
 def tensor_parallel(model: TPMLP, mesh: Any, tp_axis: int) -> TPMLP:
-    """Make the parameters DTensors: the TP placement on ``tp_axis`` of ``mesh``, Replicate elsewhere."""
+    """Make the parameters DTensors: the TP placement on ``tp_axis`` of ``mesh``, Replicate
+    elsewhere."""
     model.mesh = mesh
     for name, p in list(model.named_parameters()):
         owner, attr = name.split(".")
@@ -59,7 +61,8 @@ def tensor_parallel(model: TPMLP, mesh: Any, tp_axis: int) -> TPMLP:
     return model
 
 
-def data(step: int, rows: int, dims: tuple[int, int, int] = (6, 8, 4)) -> tuple[torch.Tensor, torch.Tensor]:
+def data(step: int, rows: int,
+         dims: tuple[int, int, int] = (6, 8, 4)) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randint(-3, 4, (rows, dims[0]), generator=g).float() / 4
     y = torch.randint(-3, 4, (rows, dims[2]), generator=g).float() / 4
@@ -87,7 +90,8 @@ def make_opt(params: Any, adamw: bool) -> torch.optim.Optimizer:
 
 
 def full_state(sd: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
-    return {k.removeprefix(prefix): (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+    return {k.removeprefix(prefix): (v.full_tensor() if isinstance(v, DTensor)
+                                     else v).detach().clone()
             for k, v in sd.items()}
 
 
@@ -101,7 +105,8 @@ def mesh_2d(dp: int, tp: int) -> Any:
     return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def ddp_tp_train(rank: int, world: int, variant: str, steps: int = 3, rows: int = 4) -> dict[str, Any]:
+def ddp_tp_train(rank: int, world: int, variant: str, steps: int = 3,
+                 rows: int = 4) -> dict[str, Any]:
     """DDP over "dp" of a 2x2 mesh; ``variant``: tp1d (params on mesh["tp"]), tp2d (params on the
     2-d mesh, Replicate on dp), group (process_group=), manual (_pre_dp_module_transform first),
     options (find_unused_parameters and gradient_as_bucket_view)."""
@@ -110,13 +115,15 @@ def ddp_tp_train(rank: int, world: int, variant: str, steps: int = 3, rows: int 
 
     mesh = mesh_2d(2, world // 2)
     dp = mesh.get_local_rank("dp")
-    model = tensor_parallel(make_ref(), mesh if variant == "tp2d" else mesh["tp"], 1 if variant == "tp2d" else 0)
+    model = tensor_parallel(make_ref(), mesh if variant == "tp2d" else mesh["tp"],
+                            1 if variant == "tp2d" else 0)
     if variant == "manual":
         _pre_dp_module_transform(model)
     if variant in ("group", "manual"):
         ddp = DDP(model, process_group=mesh["dp"].get_group())
     else:
-        kw = {"find_unused_parameters": True, "gradient_as_bucket_view": True} if variant == "options" else {}
+        kw = ({"find_unused_parameters": True, "gradient_as_bucket_view": True}
+              if variant == "options" else {})
         ddp = DDP(model, device_mesh=mesh["dp"], **kw)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     types = sorted({type(p).__name__ for p in ddp.parameters()})
@@ -142,7 +149,8 @@ def _ddp_reload(sd: dict[str, Any], mesh: Any, variant: str) -> tuple[float, flo
     for source in (sd, {f"module.{k}": v for k, v in want.items()}):
         fresh = make_ref(seed=1)
         tp_mesh = mesh if variant == "tp2d" else mesh["tp"]
-        fresh_ddp = DDP(tensor_parallel(fresh, tp_mesh, 1 if variant == "tp2d" else 0), device_mesh=mesh["dp"])
+        fresh_ddp = DDP(tensor_parallel(fresh, tp_mesh, 1 if variant == "tp2d" else 0),
+                        device_mesh=mesh["dp"])
         fresh_ddp.load_state_dict(copy.copy(source))
         diffs.append(max_diff(full_state(fresh_ddp.state_dict(), "module."), want))
     return diffs[0], diffs[1]
@@ -165,7 +173,8 @@ def ddp_overlap_refused(rank: int, world: int) -> str:
 # ---------------------------------------------------------------- fully_shard over "dp" (FSDP + TP)
 
 
-def fsdp_tp_train(rank: int, world: int, variant: str, steps: int = 3, rows: int = 4) -> dict[str, Any]:
+def fsdp_tp_train(rank: int, world: int, variant: str, steps: int = 3,
+                  rows: int = 4) -> dict[str, Any]:
     """fully_shard over the data-parallel axes; ``variant``: fsdp (2x2 (dp, tp)), hsdp (2x1x2
     (rep, shard, tp)), tp2d (TP params on the 2x2 mesh itself, Replicate on dp), uneven (sizes
     that split unevenly over dp inside a tp chunk)."""
@@ -182,8 +191,10 @@ def fsdp_tp_train(rank: int, world: int, variant: str, steps: int = 3, rows: int
     model = tensor_parallel(make_ref(dims=dims), tp_mesh, tp_mesh.ndim - 1)
     fully_shard(model.fc1, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
-    out: dict[str, Any] = {"placements": {n: "".join(map(repr, p.placements)) for n, p in model.named_parameters()},
-                           "meshes": sorted({p.device_mesh.mesh_dim_names for p in model.parameters()})}
+    out: dict[str, Any] = {"placements": {n: "".join(map(repr, p.placements))
+                                          for n, p in model.named_parameters()},
+                           "meshes": sorted({p.device_mesh.mesh_dim_names
+                                             for p in model.parameters()})}
     opt = make_opt(model.parameters(), adamw=True)
     dp_pg, tp_pg = dp_mesh.get_group(dp_mesh.ndim - 1), tp_mesh.get_group(tp_mesh.ndim - 1)
     for step in range(steps):

@@ -45,7 +45,8 @@ def parity(rank: int, n: int) -> int:
         dist.all_reduce(plain, op=op)
         dist.all_reduce(buf, op=op)
         if not torch.equal(buf, plain):
-            raise AssertionError(f"rank {rank}: all_reduce {dtype} {op} differs from the ordinary path")
+            raise AssertionError(f"rank {rank}: all_reduce {dtype} {op} differs from the ordinary "
+                                 "path")
         checks += 1
     checks += _gather_scatter_parity(rank, n)
     return checks
@@ -93,7 +94,8 @@ def mixed(rank: int, n: int) -> int:
         out = dist.comm_buffer(BIG // n * n) if arena else torch.empty(BIG // n * n)
         dist.all_gather_into_tensor(out, inp)
         if not torch.equal(out, torch.arange(n, dtype=torch.float32).repeat_interleave(BIG // n)):
-            raise AssertionError(f"rank {rank} pattern {pattern}: all_gather gave {out[::BIG // n]}")
+            raise AssertionError(f"rank {rank} pattern {pattern}: all_gather gave "
+                                 f"{out[::BIG // n]}")
         rin = (dist.comm_buffer(BIG // n * n) if arena else torch.empty(BIG // n * n)).fill_(1.0)
         ro = torch.empty(BIG // n)
         dist.reduce_scatter_tensor(ro, rin)
@@ -205,6 +207,7 @@ def ddp_parity(rank: int, n: int, as_view: bool, steps: int = 6) -> dict[str, An
         ropt.step()
         ropt.zero_grad()
     buckets = ddp.reducer.layout.buckets
-    return {"param": max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters())),
+    return {"param": max((a - b).abs().max().item()
+                         for a, b in zip(net.parameters(), ref.parameters())),
             "solo": [b.plan.solo for b in buckets],
             "shared": [b.shared and dist.is_comm_buffer(b.own()) for b in buckets]}

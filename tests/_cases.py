@@ -83,8 +83,8 @@ class Checker:
         self.count += 1
         if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
             self.failures.append(f"rank {self.rank}: {what}: got {got.flatten()[:8].tolist()} "
-                                 f"{got.dtype}{tuple(got.shape)}, want {want.flatten()[:8].tolist()} "
-                                 f"{want.dtype}{tuple(want.shape)}")
+                                 f"{got.dtype}{tuple(got.shape)}, want "
+                                 f"{want.flatten()[:8].tolist()} {want.dtype}{tuple(want.shape)}")
 
     def oracle(self, what: str, got: torch.Tensor, fn: Any) -> None:
         """Also run the same call through torch.distributed (gloo) and compare."""
@@ -93,7 +93,8 @@ class Checker:
         try:
             want = fn()
         except (RuntimeError, ValueError, TypeError) as e:   # gloo refuses this dtype/op
-            if "not supported" in str(e).lower() or "unsupported" in str(e).lower() or "invalid" in str(e).lower():
+            text = str(e).lower()
+            if "not supported" in text or "unsupported" in text or "invalid" in text:
                 return
             raise
         self.same(what + " vs gloo", got, want)
@@ -134,7 +135,8 @@ def reductions(c: Checker, shapes: list[tuple[int, ...]]) -> None:
         rdist.reduce(t, dst=root, op=rop(op))
         c.same(f"reduce root={root} {tag}", t, want if rank == root else ins[rank])
         # reduce_scatter: input = n blocks of `shape`
-        big = [torch.cat([make(r, case + b, shape, dtype).reshape(-1) for b in range(n)]) for r in range(n)]
+        big = [torch.cat([make(r, case + b, shape, dtype).reshape(-1) for b in range(n)])
+               for r in range(n)]
         want_rs = ref_reduce([big[r].view(n, -1)[rank] for r in range(n)], op)
         out = torch.empty_like(want_rs)
         rdist.reduce_scatter_tensor(out, big[rank].clone(), op=rop(op))
@@ -199,10 +201,12 @@ def all_to_all_uneven(c: Checker) -> None:
     # rank r sends (r + j + 1) rows of width 3 to rank j
     in_splits = [rank + j + 1 for j in range(n)]
     out_splits = [r + rank + 1 for r in range(n)]
-    inp = torch.cat([torch.full((rank + j + 1, 3), 100 * rank + j, dtype=torch.float32) for j in range(n)])
+    inp = torch.cat([torch.full((rank + j + 1, 3), 100 * rank + j, dtype=torch.float32)
+                     for j in range(n)])
     out = torch.empty(sum(out_splits), 3)
     rdist.all_to_all_single(out, inp, out_splits, in_splits)
-    want = torch.cat([torch.full((r + rank + 1, 3), 100 * r + rank, dtype=torch.float32) for r in range(n)])
+    want = torch.cat([torch.full((r + rank + 1, 3), 100 * r + rank, dtype=torch.float32)
+                      for r in range(n)])
     c.same("all_to_all_single uneven", out, want)
     if c.gloo:
         def g() -> torch.Tensor:
@@ -262,7 +266,8 @@ def edges(c: Checker) -> None:
     # larger than a slot: exercises chunking (inproc slots are 64 KiB, shm 1 MiB)
     big = torch.arange(300_001, dtype=torch.float64) % 7 + rank
     rdist.all_reduce(big)
-    c.same("all_reduce chunked", big, sum(torch.arange(300_001, dtype=torch.float64) % 7 + r for r in range(n)))
+    c.same("all_reduce chunked", big,
+           sum(torch.arange(300_001, dtype=torch.float64) % 7 + r for r in range(n)))
     out = torch.empty(n * 70_001, dtype=torch.int32)
     rdist.all_gather_into_tensor(out, torch.full((70_001,), rank, dtype=torch.int32))
     c.same("all_gather chunked", out, torch.arange(n, dtype=torch.int32).repeat_interleave(70_001))
@@ -272,7 +277,8 @@ def edges(c: Checker) -> None:
     # in place: the output is this rank's block of the input (as FSDP-style callers pass it);
     # (integer-valued floats: exact in any fold order, which differs across hosts)
     for op in ("SUM", "MAX", "PREMUL_SUM"):
-        xs = [torch.randint(-50, 50, (n * 50_001,), generator=torch.Generator().manual_seed(100 + r)).float()
+        xs = [torch.randint(-50, 50, (n * 50_001,),
+                            generator=torch.Generator().manual_seed(100 + r)).float()
               for r in range(n)]
         mine = xs[rank].clone()
         blk = mine[rank * 50_001:(rank + 1) * 50_001]
@@ -290,7 +296,8 @@ def p2p(c: Checker) -> None:
     # a ring of large isend/irecv in one batch cannot deadlock
     out = torch.full((100_000,), float(rank))
     inc = torch.empty(100_000)
-    works = rdist.batch_isend_irecv([rdist.P2POp(rdist.isend, out, nxt), rdist.P2POp(rdist.irecv, inc, prv)])
+    works = rdist.batch_isend_irecv([rdist.P2POp(rdist.isend, out, nxt),
+                                     rdist.P2POp(rdist.irecv, inc, prv)])
     for w in works:
         w.wait()
     c.same("batch_isend_irecv ring", inc, torch.full((100_000,), float(prv)))
@@ -320,9 +327,11 @@ def objects(c: Checker) -> None:
     gl = [None] * n if rank == 0 else None
     rdist.gather_object(("g", rank), gl, dst=0)
     if rank == 0:
-        c.same("gather_object", torch.tensor(gl == [("g", r) for r in range(n)]), torch.tensor(True))
+        c.same("gather_object", torch.tensor(gl == [("g", r) for r in range(n)]),
+               torch.tensor(True))
     outl: list[Any] = [None]
-    rdist.scatter_object_list(outl, [{"to": r} for r in range(n)] if rank == n - 1 else None, src=n - 1)
+    rdist.scatter_object_list(outl,
+                              [{"to": r} for r in range(n)] if rank == n - 1 else None, src=n - 1)
     c.same("scatter_object_list", torch.tensor(outl[0] == {"to": rank}), torch.tensor(True))
     if rank == 0:
         rdist.send_object_list([{"x": 1}, [2, 3]], dst=1)
@@ -336,7 +345,8 @@ def run_all(rank: int, n: int, gloo_file: str | None = None) -> tuple[int, list[
     """Every case; returns (number of checks, failures).  ``gloo_file``: also compare with gloo."""
     gloo = gloo_file is not None
     if gloo:
-        _tdist().init_process_group("gloo", init_method=f"file://{gloo_file}", rank=rank, world_size=n)
+        _tdist().init_process_group("gloo", init_method=f"file://{gloo_file}", rank=rank,
+                                    world_size=n)
     try:
         c = Checker(rank, n, gloo)
         reductions(c, [(5,), (2, 3)])

@@ -16,12 +16,14 @@ TRAIN = Path(__file__).resolve().parent / "_ckpt_train.py"
 STEPS = 20
 
 
-def run(root: Path, kill: tuple[int, ...] = (), restarts: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
-    """One launcher run into ``root``; ``kill`` = (rank, step) or (rank, step, bytes into the save)."""
+def run(root: Path, kill: tuple[int, ...] = (), restarts: int = 2,
+        timeout: float = 120) -> subprocess.CompletedProcess:
+    """One launcher run into ``root``; ``kill`` = (rank, step) or (rank, step, bytes into the
+    save)."""
     root.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RINGLET_", "TORCHELASTIC_"))}
-    cmd = [sys.executable, "-m", "ringlet.distributed.run", "--nproc-per-node", "2", "--max-restarts",
-           str(restarts), str(TRAIN), str(root), str(STEPS), *map(str, kill)]
+    cmd = [sys.executable, "-m", "ringlet.distributed.run", "--nproc-per-node", "2",
+           "--max-restarts", str(restarts), str(TRAIN), str(root), str(STEPS), *map(str, kill)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -40,7 +42,8 @@ def differences(a: Path, b: Path) -> list[str]:
     y = torch.load(b / "final.pt", weights_only=True)
     out = [f"param {k}" for k in x["params"] if not torch.equal(x["params"][k], y["params"][k])]
     for i, st in x["optim"]["state"].items():
-        out += [f"optim state {i}.{k}" for k, v in st.items() if not torch.equal(v, y["optim"]["state"][i][k])]
+        out += [f"optim state {i}.{k}" for k, v in st.items()
+                if not torch.equal(v, y["optim"]["state"][i][k])]
     if x["optim"]["param_groups"] != y["optim"]["param_groups"]:
         out.append("optim param_groups")
     if not torch.equal(x["rng"], y["rng"]) or x["step"] != y["step"]:

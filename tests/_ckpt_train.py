@@ -1,6 +1,7 @@
 """A small deterministic training job for the exact-resume (golden) test; run it with ringlet-run.
 
-    ringlet-run --nproc-per-node 2 --max-restarts 3 tests/_ckpt_train.py ROOT STEPS [RANK STEP [BYTES]]
+    ringlet-run --nproc-per-node 2 --max-restarts 3 tests/_ckpt_train.py ROOT STEPS [RANK STEP
+    [BYTES]]
 
 2 ranks train an MLP with dropout under DDP on a synthetic data set read through a shuffling
 DistributedSampler, checkpointing every 3 steps into ROOT/step_<n> (model, Adam state, data
@@ -34,7 +35,8 @@ BATCH = 4
 class Job(Stateful):
     """Everything a resumed run needs to continue bit for bit."""
 
-    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, sampler: DistributedSampler) -> None:
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer,
+                 sampler: DistributedSampler) -> None:
         self.model, self.opt, self.sampler = model, opt, sampler
         self.step = 0
         self.rank = dist.get_rank()
@@ -42,10 +44,12 @@ class Job(Stateful):
     def state_dict(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         return {"model": model_sd, "optim": optim_sd, "step": self.step,
-                "data": {"epoch": self.sampler.epoch}, f"rng_rank{self.rank}": torch.get_rng_state()}
+                "data": {"epoch": self.sampler.epoch},
+                f"rng_rank{self.rank}": torch.get_rng_state()}
 
     def load_state_dict(self, sd: dict) -> None:
-        set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(self.model, self.opt, model_state_dict=sd["model"],
+                       optim_state_dict=sd["optim"])
         self.step = sd["step"]
         self.sampler.set_epoch(sd["data"]["epoch"])
         torch.set_rng_state(sd[f"rng_rank{self.rank}"])
@@ -69,7 +73,8 @@ def main() -> None:
     kill = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else None
     in_save = int(sys.argv[5]) if len(sys.argv) > 5 else None
     first_generation = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
-    warnings.filterwarnings("ignore", message="load: .* does not ask for: .*rng_rank")   # the other ranks' RNG
+    # the other ranks' RNG
+    warnings.filterwarnings("ignore", message="load: .* does not ask for: .*rng_rank")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(1234 + rank)                 # per-rank dropout streams

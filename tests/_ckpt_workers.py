@@ -28,7 +28,8 @@ def load_values(rank: int, world: int, path: str) -> list:
     """The distinct values found in the checkpoint after loading it (and its step)."""
     sd = state(world, -1.0)
     dcp.load(sd, checkpoint_id=path)
-    return sorted(set(sd["w"].full_tensor().unique().tolist()) | set(sd["b"].unique().tolist())) + [sd["step"]]
+    return (sorted(set(sd["w"].full_tensor().unique().tolist()) | set(sd["b"].unique().tolist()))
+            + [sd["step"]])
 
 
 def big_save(rank: int, world: int, path: str) -> None:
@@ -38,7 +39,8 @@ def big_save(rank: int, world: int, path: str) -> None:
               "b": torch.full((4096,), 5.0), "step": 5}, checkpoint_id=path)
 
 
-def async_save(rank: int, world: int, path: str, value: float, kill_bytes: int | None = None) -> tuple:
+def async_save(rank: int, world: int, path: str, value: float,
+               kill_bytes: int | None = None) -> tuple:
     """``async_save`` then wait; rank 1 SIGKILLs itself ``kill_bytes`` into its shard if given."""
     import os
 

@@ -16,7 +16,8 @@ from ringlet.nn.parallel import DistributedDataParallel as DDP
 
 
 def per_bucket_caps(rank: int, world: int, form: str) -> dict[str, Any]:
-    """bucket_cap_mb as a list, or bucket_cap_mb_list: bucket k holds up to caps[k]; training exact."""
+    """bucket_cap_mb as a list, or bucket_cap_mb_list: bucket k holds up to caps[k]; training
+    exact."""
     caps = [300 / (1 << 20), 2000 / (1 << 20)]         # bytes: 300, then 2000
     kw: dict[str, Any] = {"bucket_cap_mb": caps} if form == "list" else {"bucket_cap_mb_list": caps}
     out = W.parity(rank, world, "mlp", "mlp", kw, steps=3)
@@ -47,7 +48,8 @@ def buffer_options(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-HOOKS = ["ALLREDUCE", "FP16_COMPRESS", "BF16_COMPRESS", "QUANTIZE_PER_TENSOR", "QUANTIZE_PER_CHANNEL", "POWER_SGD",
+HOOKS = ["ALLREDUCE", "FP16_COMPRESS", "BF16_COMPRESS", "QUANTIZE_PER_TENSOR",
+         "QUANTIZE_PER_CHANNEL", "POWER_SGD",
          "POWER_SGD_RANK2", "BATCHED_POWER_SGD", "BATCHED_POWER_SGD_RANK2", "NOOP"]
 
 
@@ -86,8 +88,10 @@ def batched_powersgd_exact(rank: int, world: int) -> float:
     from ringlet.parallel.ddp import GradBucket
 
     u, v = torch.arange(1.0, 5.0), torch.tensor([1.0, -2.0, 0.5, 3.0])
-    mine = (rank + 1.0) * torch.outer(u, v).reshape(-1)          # 16 elements: a 4x4 matrix of rank 1
-    state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2, use_error_feedback=False)
+    # 16 elements: a 4x4 matrix of rank 1
+    mine = (rank + 1.0) * torch.outer(u, v).reshape(-1)
+    state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                          use_error_feedback=False)
     state.iter = 2
     p = nn.Parameter(torch.zeros(16))
     result = batched_powerSGD_hook(state, GradBucket(0, mine.clone(), [p], [0], True)).wait()
@@ -118,14 +122,16 @@ def logging_data(rank: int, world: int) -> dict[str, Any]:
 
 
 def pickled(rank: int, world: int) -> dict[str, Any]:
-    """torch.save/torch.load of a DDP model: the copy trains on the default group like the original."""
+    """torch.save/torch.load of a DDP model: the copy trains on the default group like the
+    original."""
     ddp = DDP(W.bn_net())
     ddp(W.data(rank, 0, (4, 6))).sum().backward()
     buf = io.BytesIO()
     torch.save(ddp, buf)
     buf.seek(0)
     twin = torch.load(buf, weights_only=False)
-    same_state = all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), twin.state_dict().values()))
+    same_state = all(torch.equal(a, b)
+                     for a, b in zip(ddp.state_dict().values(), twin.state_dict().values()))
     twin.zero_grad()
     twin(W.data(rank, 1, (4, 6))).sum().backward()
     grads = torch.cat([p.grad.reshape(-1) for p in twin.parameters()])
@@ -139,7 +145,8 @@ def pickled(rank: int, world: int) -> dict[str, Any]:
         refused = ""
     except RuntimeError as e:
         refused = str(e)
-    return {"type": type(twin).__name__, "same_state": same_state, "pg": twin.process_group is ddp.process_group,
+    return {"type": type(twin).__name__, "same_state": same_state,
+            "pg": twin.process_group is ddp.process_group,
             "grads_agree": all(torch.equal(seen[0], g) for g in seen), "refused": refused}
 
 

@@ -31,7 +31,8 @@ def init_(module: nn.Module, seed: int, scale: float = 0.5) -> nn.Module:
     return module
 
 
-def data(rank: int, step: int, shape: tuple[int, ...], seed: int = 7, high: int = 3) -> torch.Tensor:
+def data(rank: int, step: int, shape: tuple[int, ...], seed: int = 7,
+         high: int = 3) -> torch.Tensor:
     """Small integer-valued inputs for one rank and step."""
     g = torch.Generator().manual_seed(seed * 100003 + step * 101 + rank)
     return torch.randint(-high, high + 1, shape, generator=g).to(DT)
@@ -46,7 +47,8 @@ def tokens(rank: int, step: int, shape: tuple[int, ...], vocab: int) -> torch.Te
 
 
 def mlp(seed: int = 0, dtype: torch.dtype = DT, width: int = 12) -> nn.Module:
-    m = nn.Sequential(nn.Linear(6, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 3))
+    m = nn.Sequential(nn.Linear(6, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                      nn.Linear(width, 3))
     return init_(m.to(dtype), seed)
 
 
@@ -65,7 +67,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (self.qkv(self.ln1(x)).view(b, t, 3, self.heads,
+                                              d // self.heads).permute(2, 0, 3, 1, 4))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
@@ -110,7 +113,8 @@ class Branchy(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.trunk, self.a, self.b, self.never = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 3), nn.Linear(8, 3)
+        self.trunk, self.a, self.b, self.never = (nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 3),
+                                                  nn.Linear(8, 3))
 
     def forward(self, x: torch.Tensor, which: str) -> torch.Tensor:
         return getattr(self, which)(torch.tanh(self.trunk(x)))
@@ -121,12 +125,14 @@ def branchy(seed: int = 0) -> nn.Module:
 
 
 def branchy_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
-    which = "a" if (rank + step // 5) % 2 == 0 else "b"     # the rank-to-branch map changes over time
+    # the rank-to-branch map changes over time
+    which = "a" if (rank + step // 5) % 2 == 0 else "b"
     return model(data(rank, step, (4, 6)), which).square().mean()
 
 
 def bn_net(seed: int = 0) -> nn.Module:
-    return init_(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).to(DT), seed)
+    return (init_(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(),
+                                nn.Linear(8, 3)).to(DT), seed))
 
 
 def two_forward_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
@@ -226,12 +232,14 @@ def reference_loss(ref: nn.Module, loss_fn: Callable[..., torch.Tensor], world_s
     for r in reversed(range(world_size)):
         with torch.no_grad():
             for b, s in zip(ref.buffers(), start):
-                b.data.copy_(s)     # .data: no version bump (a saved running stat is not read in training)
+                # .data: no version bump (a saved running stat is not read in training)
+                b.data.copy_(s)
         losses[r] = loss_fn(ref, r, step)
     return sum(losses) / world_size, [x.item() for x in losses]
 
 
-def parity(rank: int, world_size: int, model: str, loss: str, ddp_kw: dict[str, Any], steps: int = 20,
+def parity(rank: int, world_size: int, model: str, loss: str, ddp_kw: dict[str, Any],
+           steps: int = 20,
            lr: float = 0.05, hook: Any = None, eval_every: int = 0, hook_state: Any = None
            ) -> dict[str, Any]:
     """Train DDP and the reference side by side; return the largest differences seen."""
@@ -262,7 +270,8 @@ def parity(rank: int, world_size: int, model: str, loss: str, ddp_kw: dict[str, 
         worst_loss = max(worst_loss, abs(out.item() - ref_losses[rank]))
     return {
         "loss": worst_loss,
-        "param": max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters())),
+        "param": max((a - b).abs().max().item()
+                     for a, b in zip(net.parameters(), ref.parameters())),
         "buffer": max([(a.double() - b.double()).abs().max().item()
                        for a, b in zip(net.buffers(), ref.buffers())] + [0.0]),
         "grads_none": grads_none,
@@ -281,11 +290,14 @@ def proc_parity(rank: int, world_size: int, *args: Any, **kw: Any) -> dict[str, 
 # ---------------------------------------------------------------- torch's DDP as the oracle
 
 
-def mlp_vs_torch(rank: int, world_size: int, steps: int, ddp_kw: dict[str, Any]) -> dict[str, float]:
-    """ringlet's and torch's DDP (gloo) in one rank process, same data: losses and parameters agree."""
+def mlp_vs_torch(rank: int, world_size: int, steps: int,
+                 ddp_kw: dict[str, Any]) -> dict[str, float]:
+    """ringlet's and torch's DDP (gloo) in one rank process, same data: losses and parameters
+    agree."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    mine, theirs = mlp(seed=rank), mlp(seed=rank)   # different seeds per rank: init_sync must fix them
+    # different seeds per rank: init_sync must fix them
+    mine, theirs = mlp(seed=rank), mlp(seed=rank)
     a, b = DDP(mine, **ddp_kw), TorchDDP(theirs, **ddp_kw)
     oa = torch.optim.AdamW(a.parameters(), lr=0.01)
     ob = torch.optim.AdamW(b.parameters(), lr=0.01)
@@ -317,7 +329,8 @@ class _Probe(torch.autograd.Function):
 
 
 def overlap_probe(rank: int, world_size: int) -> dict[str, Any]:
-    """Are buckets all-reduced while backward is still running?  [l0, probe, l1, l2], bucket per layer."""
+    """Are buckets all-reduced while backward is still running?  [l0, probe, l1, l2], bucket per
+    layer."""
     import time
 
     torch.manual_seed(0)
@@ -373,9 +386,11 @@ def proc_suite(rank: int, world_size: int, rdzv: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- Join (uneven inputs)
 
 
-def join_train(rank: int, world_size: int, counts: list[int], divide_initial: bool, model: str = "mlp",
+def join_train(rank: int, world_size: int, counts: list[int], divide_initial: bool,
+               model: str = "mlp",
                ddp_kw: dict[str, Any] | None = None, ddp_cls: Any = DDP) -> list[torch.Tensor]:
-    """Rank r trains on ``counts[r]`` batches inside ``ddp.join()``; returns its final parameters."""
+    """Rank r trains on ``counts[r]`` batches inside ``ddp.join()``; returns its final
+    parameters."""
     net = BUILDERS[model]()
     ddp = ddp_cls(net, **(ddp_kw or {}))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.5)
@@ -402,7 +417,8 @@ def join_reference(world_size: int, counts: list[int], divide_initial: bool, mod
 
 
 def join_vs_torch(rank: int, world_size: int, counts: list[int], divide_initial: bool) -> float:
-    """ringlet's DDP+Join and torch's DDP+Join on the same uneven data: largest parameter difference."""
+    """ringlet's DDP+Join and torch's DDP+Join on the same uneven data: largest parameter
+    difference."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     mine = join_train(rank, world_size, counts, divide_initial)

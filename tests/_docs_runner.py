@@ -22,7 +22,8 @@ def main(path: str) -> int:
             code = compile(item["code"], item["where"], "exec")
             exec(code, {"__name__": "__main__"})  # noqa: S102 - running the docs is the point
         except BaseException:
-            print(f"DOC BLOCK FAILED: {item['where']}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            print(f"DOC BLOCK FAILED: {item['where']}\n{traceback.format_exc()}",
+                  file=sys.stderr, flush=True)
             return 1
         finally:
             if dist.is_initialized():

@@ -1,4 +1,5 @@
-"""Rank bodies for the data-parallel tools' tests, run on threads (run_threads) and in processes (run_world).
+"""Rank bodies for the data-parallel tools' tests, run on threads (run_threads) and in processes
+(run_world).
 
 Each body is ``fn(rank, world_size, *args)`` and raises on a mismatch, so one body
 serves both tiers.  Module-level so that forkserver children can import it.
@@ -27,8 +28,10 @@ def _data(total: int, shape: tuple[int, ...], step: int) -> tuple[torch.Tensor, 
     return x, w
 
 
-def sbn_parity(rank: int, world_size: int, kind: str, sizes: list[int], kwargs: dict[str, Any]) -> None:
-    """Rank ``rank`` normalizes rows ``sizes[:rank]`` of the batch; everything must match BatchNorm's."""
+def sbn_parity(rank: int, world_size: int, kind: str, sizes: list[int],
+               kwargs: dict[str, Any]) -> None:
+    """Rank ``rank`` normalizes rows ``sizes[:rank]`` of the batch; everything must match
+    BatchNorm's."""
     shape = SHAPES[kind]
     c = shape[0]
     ref = REFS[kind](c, **kwargs)
@@ -49,8 +52,10 @@ def sbn_parity(rank: int, world_size: int, kind: str, sizes: list[int], kwargs: 
         pg.reset_counts()
         out = sbn(x)
         (out * w_full[lo:hi]).sum().backward()
-        if pg.counts() != {"all_gather": 1, "all_reduce": 1}:     # stats forward, gradient sums backward
-            raise AssertionError(f"expected one all_gather and one all_reduce per step, got {pg.counts()}")
+        # stats forward, gradient sums backward
+        if pg.counts() != {"all_gather": 1, "all_reduce": 1}:
+            raise AssertionError("expected one all_gather and one all_reduce per step, got "
+                                 f"{pg.counts()}")
         torch.testing.assert_close(out, ref_out.detach()[lo:hi])
         torch.testing.assert_close(x.grad, x_full.grad[lo:hi], rtol=1e-4, atol=1e-5)
         if sbn.affine:
@@ -103,10 +108,12 @@ def set_grads(params: list[torch.nn.Parameter], step: int) -> None:
 
 def zero_parity(rank: int, world_size: int, opt: str, bucket_view: bool, split: int | None,
                 steps: int = 3) -> list[int]:
-    """K steps of ZeRO equal K steps of the unsharded optimizer; returns the global indices with state."""
+    """K steps of ZeRO equal K steps of the unsharded optimizer; returns the global indices with
+    state."""
     cls, kwargs = OPTIMIZERS[opt]
     params, ref_params = make_params(), make_params()
-    zero = ZeroRedundancyOptimizer(groups_of(params, split), cls, parameters_as_bucket_view=bucket_view, **kwargs)
+    zero = ZeroRedundancyOptimizer(groups_of(params, split), cls,
+                                   parameters_as_bucket_view=bucket_view, **kwargs)
     ref = cls(groups_of(ref_params, split), **kwargs)
     for step in range(steps):
         set_grads(params, step)
@@ -114,7 +121,8 @@ def zero_parity(rank: int, world_size: int, opt: str, bucket_view: bool, split: 
         zero.step()
         ref.step()
         for i, (p, q) in enumerate(zip(params, ref_params)):
-            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=f"step {step} param {i}")
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0,
+                                       msg=f"step {step} param {i}")
     owned = {id(p) for g in zero.optim.param_groups for p in g["params"]}
     with_state = [i for i, p in enumerate(params) if p in zero.optim.state]
     if not all(id(params[i]) in owned for i in with_state):
@@ -127,13 +135,15 @@ def _same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
         raise AssertionError(f"state keys differ: {sorted(a['state'])} vs {sorted(b['state'])}")
     for k in a["state"]:
         for name, v in a["state"][k].items():
-            torch.testing.assert_close(v, b["state"][k][name], rtol=0, atol=0, msg=f"state[{k}][{name}]")
+            torch.testing.assert_close(v, b["state"][k][name], rtol=0, atol=0,
+                                       msg=f"state[{k}][{name}]")
     if a["param_groups"] != b["param_groups"]:
         raise AssertionError(f"param_groups differ:\n{a['param_groups']}\n{b['param_groups']}")
 
 
 def zero_state_dict_round_trip(rank: int, world_size: int, to: int) -> None:
-    """consolidate -> state_dict equals the unsharded optimizer's; loading it continues identically."""
+    """consolidate -> state_dict equals the unsharded optimizer's; loading it continues
+    identically."""
     params, ref_params = make_params(), make_params()
     zero = ZeroRedundancyOptimizer(groups_of(params, 3), torch.optim.Adam, lr=0.01)
     ref = torch.optim.Adam(groups_of(ref_params, 3), lr=0.01)
@@ -172,11 +182,13 @@ def zero_state_dict_round_trip(rank: int, world_size: int, to: int) -> None:
 
 
 def zero_vs_torch_zero(rank: int, world_size: int, gloo_file: str) -> None:
-    """Side by side with torch's own ZeroRedundancyOptimizer on gloo: same partition, params and state."""
+    """Side by side with torch's own ZeroRedundancyOptimizer on gloo: same partition, params and
+    state."""
     import torch.distributed as tdist
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 
-    tdist.init_process_group("gloo", init_method=f"file://{gloo_file}", rank=rank, world_size=world_size)
+    tdist.init_process_group("gloo", init_method=f"file://{gloo_file}", rank=rank,
+                             world_size=world_size)
     try:
         params, theirs_params = make_params(), make_params()
         ours = ZeroRedundancyOptimizer(groups_of(params, 4), torch.optim.Adam, lr=0.01)

@@ -21,9 +21,11 @@ def _torch_dtensor() -> Any:
 
 
 def mesh_and_dtensor_vs_torch(rank: int, n: int, tmp: str) -> dict[str, Any]:
-    """Our mesh and DTensor over shm next to torch's DTensor over gloo: same shards, same results."""
+    """Our mesh and DTensor over shm next to torch's DTensor over gloo: same shards, same
+    results."""
     tdist, tdt, t_init = _torch_dtensor()
-    tdist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'gloo')}", rank=rank, world_size=n)
+    tdist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'gloo')}", rank=rank,
+                             world_size=n)
     failures: list[str] = []
     checks = 0
 
@@ -46,7 +48,8 @@ def mesh_and_dtensor_vs_torch(rank: int, n: int, tmp: str) -> dict[str, Any]:
                 same(f"{shape} S({d}) local", ours.to_local(), theirs.to_local())
                 same(f"{shape} S({d}) full", ours.full_tensor(), full)
                 other = 1 - d
-                same(f"{shape} S({d})->S({other})", ours.redistribute(mesh, [Shard(other)]).to_local(),
+                same(f"{shape} S({d})->S({other})",
+                     ours.redistribute(mesh, [Shard(other)]).to_local(),
                      theirs.redistribute(tmesh, [tdt.Shard(other)]).to_local())
             part = full * (rank + 1)
             ours_p = DTensor.from_local(part, mesh, [Partial()])
@@ -55,14 +58,17 @@ def mesh_and_dtensor_vs_torch(rank: int, n: int, tmp: str) -> dict[str, Any]:
                  theirs_p.redistribute(tmesh, [tdt.Shard(0)]).to_local())
             same(f"{shape} P->R", ours_p.full_tensor(), theirs_p.full_tensor())
         a, b = torch.arange(12.0).reshape(3, 4), torch.arange(8.0).reshape(4, 2)
-        prod = torch.mm(distribute_tensor(a, mesh, [Shard(1)]), distribute_tensor(b, mesh, [Shard(0)]))
+        prod = torch.mm(distribute_tensor(a, mesh, [Shard(1)]),
+                        distribute_tensor(b, mesh, [Shard(0)]))
         tprod = torch.mm(tdt.distribute_tensor(a, tmesh, [tdt.Shard(1)]),
                          tdt.distribute_tensor(b, tmesh, [tdt.Shard(0)]))
         if repr(prod.placements[0]) != "P(sum)" or not tprod.placements[0].is_partial():
-            failures.append(f"rank {rank}: mm placements {prod.placements} vs torch {tprod.placements}")
+            failures.append(f"rank {rank}: mm placements {prod.placements} vs torch "
+                            f"{tprod.placements}")
         same("mm P->R", prod.full_tensor(), tprod.full_tensor())
         path = os.path.join(tmp, f"dt{rank}.pt")
-        w = torch.nn.Parameter(distribute_tensor(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)]))
+        w = torch.nn.Parameter(distribute_tensor(torch.arange(10.0).reshape(5, 2), mesh,
+                                                 [Shard(0)]))
         torch.save({"w": w, "r": distribute_tensor(a, mesh, [Replicate()])}, path)
         back = torch.load(path, weights_only=False)
         same("save/load", back["w"].to_local(), w.to_local())

@@ -29,7 +29,8 @@ class CountingAllGather(AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                  async_op: bool = False) -> Any:
         self.calls += 1
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                           async_op=async_op)
 
 
 class CountingReduceScatter(ReduceScatter):
@@ -42,7 +43,8 @@ class CountingReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> Any:
         self.calls += 1
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                          async_op=async_op)
 
 
 def _grouped(m: MLP) -> MLP:
@@ -54,7 +56,8 @@ def _grouped(m: MLP) -> MLP:
 
 def _shard_dim1(m: nn.Module) -> nn.Module:
     world = dist.get_world_size()
-    return shard_model(m, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 and p.shape[1] % world == 0 else None)
+    return shard_model(m, shard_placement_fn=lambda p: (
+        Shard(1) if p.dim() == 2 and p.shape[1] % world == 0 else None))
 
 
 COMMS: dict[str, Any] = {}
@@ -115,7 +118,8 @@ def grouped_details(rank: int, world: int) -> dict[str, Any]:
     keys = sorted(model.state_dict())
     fresh = _grouped(make_model("mlp", seed=3))
     fresh.load_state_dict(model.state_dict())
-    same = all(torch.equal(v.full_tensor(), fresh.state_dict()[k].full_tensor()) for k, v in model.state_dict().items())
+    same = all(torch.equal(v.full_tensor(), fresh.state_dict()[k].full_tensor())
+               for k, v in model.state_dict().items())
     return {"shared": a._get_fsdp_state() is b._get_fsdp_state(), "counts": counts, "keys": keys,
             "reload": same}
 
@@ -146,9 +150,11 @@ def chunked_head(rank: int, world: int) -> float:
     diffs = []
     for step in range(3):
         x, y = batch("mlp", step, 4 * world)
-        for m, xs, ys in ((model, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]), (ref, x, y)):
+        for m, xs, ys in ((model, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]),
+                          (ref, x, y)):
             h = m(xs)
-            loss = sum(F.mse_loss(m.head(c), t, reduction="sum") for c, t in zip(h.chunk(2), ys.chunk(2)))
+            loss = sum(F.mse_loss(m.head(c), t, reduction="sum")
+                       for c, t in zip(h.chunk(2), ys.chunk(2)))
             (loss / len(xs)).backward()
         got = model.head.weight.grad.full_tensor()
         diffs.append((got - ref.head.weight.grad).abs().max().item())
@@ -173,8 +179,10 @@ def raf_int_details(rank: int, world: int) -> dict[str, Any]:
     loss.backward()
     return {"pf_ranks": pf.ranks, "kept": kept.numel() if kept is not None else 0,
             "gathered": group.layout.gathered_numel, "registered": registered_sharded,
-            "forward_ag": forward_ag, "backward_ag_shard": shard_pg.counts().get("all_gather", 0) - forward_ag,
-            "backward_ag_pf": pf.counts().get("all_gather", 0), "after": group._post_forward_shard is None}
+            "forward_ag": forward_ag,
+            "backward_ag_shard": shard_pg.counts().get("all_gather", 0) - forward_ag,
+            "backward_ag_pf": pf.counts().get("all_gather", 0),
+            "after": group._post_forward_shard is None}
 
 
 class TwoPaths(nn.Module):
@@ -211,8 +219,9 @@ def setter_checks(rank: int, world: int) -> dict[str, str]:
                        ("buffers", lambda: model.set_reduce_scatter_max_input_buffers(0)),
                        ("buffers_type", lambda: model.set_reduce_scatter_max_input_buffers(True)),
                        ("comm_type", lambda: model.set_custom_all_gather(object())),
-                       ("conflict", lambda: (model.layers[0].set_allocate_memory_from_process_group_for_comm(True),
-                                             model.layers[0].set_custom_all_gather(CountingAllGather()))),
+                       ("conflict", lambda: (
+                           model.layers[0].set_allocate_memory_from_process_group_for_comm(True),
+                           model.layers[0].set_custom_all_gather(CountingAllGather()))),
                        ("share_bad", lambda: share_comm_ctx([nn.Linear(2, 2)]))):
         try:
             call()
@@ -232,7 +241,8 @@ def setter_checks(rank: int, world: int) -> dict[str, str]:
     x, y = batch("mlp", 0, 2)
     for m in (model, other):
         loss_fn("mlp", m, x, y).backward()
-    out["shared_pool"] = str(model.layers[0]._get_fsdp_state().group.pool is other.layers[2]._get_fsdp_state().group.pool)
+    out["shared_pool"] = str(model.layers[0]._get_fsdp_state().group.pool
+                             is other.layers[2]._get_fsdp_state().group.pool)
     return out
 
 

@@ -1,4 +1,5 @@
-"""Models, training loops and rank bodies shared by the fully_shard tests (module level: they pickle)."""
+"""Models, training loops and rank bodies shared by the fully_shard tests (module level: they
+pickle)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 2, layers: int = 2, seq: int = 8,
-                 tie: bool = False) -> None:
+    def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 2, layers: int = 2,
+                 seq: int = 8, tie: bool = False) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq, dim)
@@ -91,8 +92,10 @@ def shard_model(model: nn.Module, mesh: Any = None, **kw: Any) -> nn.Module:
 # ---------------------------------------------------------------- data and steps
 
 
-def batch(kind: str, step: int, rows: int, model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deterministic global batch of ``rows`` samples for ``step`` (small values: sums near exact)."""
+def batch(kind: str, step: int, rows: int,
+          model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic global batch of ``rows`` samples for ``step`` (small values: sums near
+    exact)."""
     g = torch.Generator().manual_seed(1000 + step)
     if kind == "mlp":
         x = torch.randint(-3, 4, (rows, 8), generator=g).float() / 4
@@ -127,7 +130,8 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 def train_pair(rank: int, world: int, kind: str, steps: int = 10, rows: int = 4,
                shard: Callable[[nn.Module], nn.Module] | None = None,
                model_kw: dict[str, Any] | None = None,
-               prepare: Callable[[nn.Module], Any] | None = None) -> tuple[list[float], list[float], float]:
+               prepare: Callable[[nn.Module], Any] | None = None
+               ) -> tuple[list[float], list[float], float]:
     """Train a sharded model and a single-process reference on the same data.
 
     ``prepare(model)`` runs before the reference is copied (e.g. to freeze parameters).
@@ -190,7 +194,8 @@ def torch_oracle(rank: int, world: int, gloo_file: str, steps: int = 10,
     tdist.init_process_group("gloo", init_method=f"file://{gloo_file}", rank=rank, world_size=world)
     try:
         mesh = torch_mesh("cpu", (world,))
-        return {f"{kind}/{'bf16' if mixed else 'fp32'}": _against_torch(rank, world, mesh, kind, mixed, steps, rows)
+        return {f"{kind}/{'bf16' if mixed else 'fp32'}": _against_torch(rank, world, mesh, kind,
+                                                                        mixed, steps, rows)
                 for kind in ("mlp", "transformer") for mixed in (False, True)}
     finally:
         tdist.destroy_process_group()
@@ -203,7 +208,8 @@ def _against_torch(rank: int, world: int, mesh: Any, kind: str, mixed: bool, ste
 
     theirs = make_model(kind)
     ours = copy.deepcopy(theirs)
-    tkw = {"mp_policy": TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
+    tkw = ({"mp_policy": TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+           if mixed else {})
     for unit in theirs.layers if kind == "mlp" else theirs.blocks:
         torch_fully_shard(unit, mesh=mesh, **tkw)
     torch_fully_shard(theirs, mesh=mesh, **tkw)

@@ -55,7 +55,8 @@ class Env:
             self.passed.append((x, logical(x)))
         return x
 
-    def logical_in(self, slot: str, r: int, salt: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def logical_in(self, slot: str, r: int, salt: int,
+                   shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """What rank ``r`` passes in ``slot``, as values (for expected results of valid cases)."""
         shape = self.shape if shape is None else shape
         return logical(self.maker.build(self.kind(slot), self.vals(r, salt, shape)))
@@ -65,7 +66,8 @@ class Env:
             return rop(self.op)
         v = self.fval
         if v in ("BAND", "MIN"):
-            bad = self.dt.is_floating_point or self.dt.is_complex if v == "BAND" else self.dt.is_complex
+            bad = (self.dt.is_floating_point or self.dt.is_complex if v == "BAND"
+                   else self.dt.is_complex)
             self.reject |= bad
             self.op = v
             return rop(v)
@@ -133,11 +135,13 @@ def first(*checks: str | None) -> str | None:
     return next((c for c in checks if c), None)
 
 
-# -- one driver per API: returns (call, check) ------------------------------------------------------
+# -- one driver per API: returns (call, check)
+# ------------------------------------------------------
 def d_all_reduce(E: Env) -> tuple[Any, Any]:
     x, op, g = E.arg("t", "inout", 0), E.op_arg(), E.group_arg()
     return (lambda: dist.all_reduce(x, op=op, group=g),
-            lambda: same(x, ref_reduce([E.logical_in("t", r, 0) for r in range(N)], E.op), "all_reduce"))
+            lambda: same(x, ref_reduce([E.logical_in("t", r, 0) for r in range(N)], E.op),
+                         "all_reduce"))
 
 
 def d_reduce(E: Env) -> tuple[Any, Any]:
@@ -146,7 +150,8 @@ def d_reduce(E: Env) -> tuple[Any, Any]:
 
     def check() -> str | None:
         mine = E.logical_in("t", E.rank, 0)
-        want = ref_reduce([E.logical_in("t", r, 0) for r in range(N)], E.op) if E.rank == dst else mine
+        want = (ref_reduce([E.logical_in("t", r, 0) for r in range(N)], E.op)
+                if E.rank == dst else mine)
         return same(x, want, "reduce")
     return lambda: dist.reduce(x, dst=dst, op=op, group=g), check
 
@@ -162,12 +167,14 @@ def d_all_gather(E: Env) -> tuple[Any, Any]:
     t, g = E.arg("t", "in", 0), E.group_arg()
     outs = [E.arg("out", "out", 1) for _ in range(E.len_fault(N))]
     if E.dtype_fault() and outs:
-        outs[-1] = torch.zeros(E.shape, dtype=torch.float64 if E.dt != torch.float64 else torch.int32)
+        outs[-1] = torch.zeros(E.shape,
+                               dtype=torch.float64 if E.dt != torch.float64 else torch.int32)
     if E.fault == "numel":
         outs[E.rank] = torch.zeros(E.numel_fault(E.shape), dtype=E.dt)
 
     def check() -> str | None:
-        return first(*[same(o, E.logical_in("t", r, 0), f"all_gather[{r}]") for r, o in enumerate(outs)])
+        return first(*[same(o, E.logical_in("t", r, 0), f"all_gather[{r}]")
+                       for r, o in enumerate(outs)])
     return lambda: dist.all_gather(outs, t, group=g), check
 
 
@@ -193,7 +200,8 @@ def d_reduce_scatter(E: Env) -> tuple[Any, Any]:
     out, op = E.arg("out", "out", 1), E.op_arg()
     ins = [E.arg("in", "in", 2 + j) for j in range(E.len_fault(N))]
     if E.dtype_fault() and ins:
-        ins[-1] = torch.zeros(E.shape, dtype=torch.float64 if E.dt != torch.float64 else torch.int32)
+        ins[-1] = torch.zeros(E.shape,
+                              dtype=torch.float64 if E.dt != torch.float64 else torch.int32)
     if E.fault == "numel":
         ins[0] = torch.zeros(E.numel_fault(E.shape), dtype=E.dt)
 
@@ -213,7 +221,8 @@ def d_reduce_scatter_tensor(E: Env, fn: Any = None) -> tuple[Any, Any]:
 
     def check() -> str | None:
         k = _numel(E.shape)
-        blocks = [E.logical_in("in", r, 2, in_shape).reshape(-1)[E.rank * k:(E.rank + 1) * k] for r in range(N)]
+        blocks = [E.logical_in("in", r, 2, in_shape).reshape(-1)[E.rank * k:(E.rank + 1) * k]
+                  for r in range(N)]
         return same(out, ref_reduce(blocks, E.op).reshape(E.shape), "reduce_scatter_tensor")
     return lambda: call(out, inp, op), check
 
@@ -230,7 +239,8 @@ def d_all_reduce_coalesced(E: Env) -> tuple[Any, Any]:
         ts.append(torch.zeros(2, dtype=torch.float64 if E.dt != torch.float64 else torch.int32))
 
     def check() -> str | None:
-        return first(*[same(t, ref_reduce([E.logical_in("t", r, j) for r in range(N)], E.op), f"[{j}]")
+        return first(*[same(t,
+                            ref_reduce([E.logical_in("t", r, j) for r in range(N)], E.op), f"[{j}]")
                        for j, t in enumerate(ts)])
     return lambda: dist.all_reduce_coalesced(ts, op=op), check
 
@@ -239,7 +249,8 @@ def d_all_gather_coalesced(E: Env) -> tuple[Any, Any]:
     ins = [E.arg("t", "in", j) for j in range(2)]
     outs = [[E.arg("out", "out", 5 + r * 2 + j) for j in range(2)] for r in range(E.len_fault(N))]
     if E.dtype_fault():
-        outs[0][0] = torch.zeros(E.shape, dtype=torch.float64 if E.dt != torch.float64 else torch.int32)
+        outs[0][0] = torch.zeros(E.shape,
+                                 dtype=torch.float64 if E.dt != torch.float64 else torch.int32)
     if E.fault == "numel":
         outs[0][1] = torch.zeros(E.numel_fault(E.shape), dtype=E.dt)
 
@@ -254,10 +265,12 @@ def d_all_to_all(E: Env) -> tuple[Any, Any]:
     ins = [E.arg("in", "in", 2 + j) for j in range(k)]
     outs = [E.arg("out", "out", 7 + j) for j in range(k)]
     if E.dtype_fault() and outs:
-        outs[0] = torch.zeros(E.shape, dtype=torch.float64 if E.dt != torch.float64 else torch.int32)
+        outs[0] = torch.zeros(E.shape,
+                              dtype=torch.float64 if E.dt != torch.float64 else torch.int32)
 
     def check() -> str | None:
-        return first(*[same(o, E.logical_in("in", r, 2 + E.rank), f"all_to_all[{r}]") for r, o in enumerate(outs)])
+        return first(*[same(o, E.logical_in("in", r, 2 + E.rank), f"all_to_all[{r}]")
+                       for r, o in enumerate(outs)])
     return lambda: dist.all_to_all(outs, ins), check
 
 
@@ -273,7 +286,8 @@ def d_all_to_all_single(E: Env) -> tuple[Any, Any]:
 
     def check() -> str | None:
         per = rows // N
-        want = torch.cat([E.logical_in("in", r, 2, shape)[E.rank * per:(E.rank + 1) * per] for r in range(N)])
+        want = torch.cat([E.logical_in("in", r, 2, shape)[E.rank * per:(E.rank + 1) * per]
+                          for r in range(N)])
         return same(out, want, "all_to_all_single")
     return lambda: dist.all_to_all_single(out, inp, splits, splits), check
 
@@ -330,7 +344,8 @@ def d_batch_isend_irecv(E: Env) -> tuple[Any, Any]:
     tag = 5
     if E.fault == "tag":
         E.reject, tag = True, E.fval
-    ops: list[Any] = [dist.P2POp(dist.isend, a, peer, tag=tag), dist.P2POp(dist.irecv, b, peer, tag=tag)]
+    ops: list[Any] = [dist.P2POp(dist.isend, a, peer, tag=tag),
+                      dist.P2POp(dist.irecv, b, peer, tag=tag)]
     if E.fault == "entry":
         E.reject = True
         ops.append(a)
@@ -342,7 +357,8 @@ def d_batch_isend_irecv(E: Env) -> tuple[Any, Any]:
 
 
 def d_barrier(E: Env) -> tuple[Any, Any]:
-    kw: dict[str, Any] = {"timeout": timedelta(seconds=5), "device_ids": None, "group": E.group_arg()}
+    kw: dict[str, Any] = {"timeout": timedelta(seconds=5), "device_ids": None,
+                          "group": E.group_arg()}
     if E.fault in ("timeout", "device_ids"):
         E.reject, kw[E.fault] = True, E.fval
     return lambda: dist.barrier(**kw), lambda: None
@@ -385,7 +401,8 @@ def d_gather_object(E: Env) -> tuple[Any, Any]:
     obj = {"rank": E.rank, "t": E.arg("obj", "in", 0)}
 
     def check() -> str | None:
-        return first(*[_same_obj(o, _obj(E, r), f"[{r}]") for r, o in enumerate(out)]) if out else None
+        return (first(*[_same_obj(o, _obj(E, r), f"[{r}]") for r, o in enumerate(out)])
+                if out else None)
     return lambda: dist.gather_object(obj, out, dst=dst), check
 
 
@@ -394,7 +411,8 @@ def d_scatter_object_list(E: Env) -> tuple[Any, Any]:
     ins = [{"rank": r, "t": E.arg("obj", "in", 0)} for r in range(N)] if E.rank == src else None
     out: list[Any] = [None]
     return (lambda: dist.scatter_object_list(out, ins, src=src),
-            lambda: _same_obj(out[0], {"rank": E.rank, "t": E.logical_in("obj", src, 0)}, "scatter_object_list"))
+            lambda: _same_obj(out[0], {"rank": E.rank, "t": E.logical_in("obj", src, 0)},
+                              "scatter_object_list"))
 
 
 def d_send_recv_object_list(E: Env) -> tuple[Any, Any]:
@@ -434,7 +452,8 @@ def d_coalescing_manager(E: Env) -> tuple[Any, Any]:
 DRIVERS = {name: globals()[f"d_{name}"] for name in APIS}
 
 
-# -- the loop ------------------------------------------------------------------------------------------
+# -- the loop
+# ------------------------------------------------------------------------------------------
 _REFUSALS = (TypeError, ValueError, DistBackendError)
 
 
@@ -472,8 +491,10 @@ def run_case(c: dict[str, Any], rank: int, maker: Maker) -> tuple[str, str | Non
     return "passed", check()
 
 
-def run_cases(rank: int, n: int, cases: list[dict[str, Any]], progress: str | None = None) -> dict[str, Any]:
-    """Run ``cases`` in order on this rank; returns counts and failures (see the module docstring)."""
+def run_cases(rank: int, n: int, cases: list[dict[str, Any]],
+              progress: str | None = None) -> dict[str, Any]:
+    """Run ``cases`` in order on this rank; returns counts and failures (see the module
+    docstring)."""
     from ringlet.distributed.device_mesh import init_device_mesh
 
     maker = Maker(rank, init_device_mesh("cpu", (n,)))

@@ -56,14 +56,17 @@ APIS: dict[str, tuple[list[tuple[str, str, bool]], list[str]]] = {
     "all_reduce": ([("t", "inout", True)], ["op", "group"]),
     "reduce": ([("t", "inout", True)], ["rank", "op", "group"]),
     "broadcast": ([("t", "inout", True)], ["rank", "group"]),
-    "all_gather": ([("out", "out", True), ("t", "in", True)], ["len", "dtype_mix", "numel", "group"]),
+    "all_gather": ([("out", "out", True), ("t", "in", True)],
+                   ["len", "dtype_mix", "numel", "group"]),
     "all_gather_into_tensor": ([("out", "out", True), ("t", "in", True)], ["numel", "dtype_mix"]),
     "_all_gather_base": ([("out", "out", True), ("t", "in", True)], ["numel"]),
-    "reduce_scatter": ([("out", "out", True), ("in", "in", True)], ["len", "dtype_mix", "numel", "op"]),
+    "reduce_scatter": ([("out", "out", True), ("in", "in", True)],
+                       ["len", "dtype_mix", "numel", "op"]),
     "reduce_scatter_tensor": ([("out", "out", True), ("in", "in", True)], ["numel", "op", "group"]),
     "_reduce_scatter_base": ([("out", "out", True), ("in", "in", True)], ["numel"]),
     "all_reduce_coalesced": ([("t", "inout", True)], ["len", "op"]),   # mixed dtypes are valid
-    "all_gather_coalesced": ([("out", "out", True), ("t", "in", True)], ["len", "numel", "dtype_mix"]),
+    "all_gather_coalesced": ([("out", "out", True), ("t", "in", True)],
+                             ["len", "numel", "dtype_mix"]),
     "all_to_all": ([("out", "out", True), ("in", "in", True)], ["len", "dtype_mix"]),
     "all_to_all_single": ([("out", "out", True), ("in", "in", True)], ["split", "dtype_mix"]),
     "gather": ([("t", "in", True), ("list", "out", False)], ["rank"]),
@@ -93,8 +96,10 @@ FAULT_VALUES: dict[str, list[Any]] = {
 def cases(draw: Any) -> dict[str, Any]:
     api = draw(st.sampled_from(sorted(APIS)))
     slots, faults = APIS[api]
-    c: dict[str, Any] = {"api": api, "cid": draw(st.integers(0, 999)), "dtype": draw(st.sampled_from(DTYPES)),
-                         "shape": draw(st.sampled_from(SHAPES)), "root": draw(st.integers(0, N - 1)),
+    c: dict[str, Any] = {"api": api, "cid": draw(st.integers(0, 999)),
+                         "dtype": draw(st.sampled_from(DTYPES)),
+                         "shape": draw(st.sampled_from(SHAPES)),
+                         "root": draw(st.integers(0, N - 1)),
                          "kind": "contig", "slot": None, "fault": None, "fval": 0}
     c["op"] = draw(st.sampled_from([o for o in OPS if _op_ok(o, c["dtype"])]))
     if faults and draw(st.integers(0, 4)) == 0:
@@ -124,7 +129,8 @@ def _op_ok(op: str, dtype: str) -> bool:
     return True
 
 
-# -- tensors of each kind ---------------------------------------------------------------------------
+# -- tensors of each kind
+# ---------------------------------------------------------------------------
 class _Wrapper(torch.Tensor):
     """A wrapper subclass like DTensor: its storage holds nothing (data_ptr() == 0)."""
 
@@ -226,7 +232,8 @@ class Maker:
             return torch.frombuffer(raw, dtype=v.dtype)[:v.numel()].view(v.shape)
 
     def _k_ro_mmap(self, v: torch.Tensor) -> torch.Tensor:
-        mm = read_only_map(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() + b"\0" * 16)
+        mm = read_only_map(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                           + b"\0" * 16)
         self.maps.append(mm)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -239,7 +246,8 @@ class Maker:
         return v.to_sparse() if v.dim() else v.reshape(1).to_sparse()
 
     def _k_quantized(self, v: torch.Tensor) -> torch.Tensor:
-        return torch.quantize_per_tensor(v.real.float() if v.is_complex() else v.float(), 0.5, 0, torch.qint8)
+        return torch.quantize_per_tensor(v.real.float() if v.is_complex() else v.float(), 0.5, 0,
+                                         torch.qint8)
 
     def _k_nested(self, v: torch.Tensor) -> torch.Tensor:
         flat = v.reshape(-1)

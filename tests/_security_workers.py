@@ -101,21 +101,25 @@ def gadgets(sentinel: str, workdir: str) -> dict[str, tuple[bytes, str]]:
         "subprocess.Popen": (_Reduce(subprocess.Popen, ["touch", sentinel]), "subprocess.Popen"),
         "builtins.eval": (_Reduce(builtins.eval, write), "builtins.eval"),
         "builtins.exec": (_Reduce(builtins.exec, write), "builtins.exec"),
-        "storage._load_from_bytes": (_Reduce(torch.storage._load_from_bytes, inner), "_load_from_bytes"),
+        "storage._load_from_bytes": (_Reduce(torch.storage._load_from_bytes, inner),
+                                     "_load_from_bytes"),
         "torch.load(weights_only=False)": (
             _Reduce(unsafe_load, _unsafe_torch_file(os.path.join(workdir, "evil.pt"), sentinel)),
             "functools.partial"),
         "numpy.load": (
-            _Reduce(np.load, _npy_with_pickle(os.path.join(workdir, "evil.npy"), sentinel), None, True),
+            _Reduce(np.load, _npy_with_pickle(os.path.join(workdir, "evil.npy"), sentinel),
+                    None, True),
             "numpy"),
         "functools.partial chain": (
             _Reduce(functools.partial(functools.partial(os.system, touch))), "functools.partial"),
         "__reduce_ex__": (_ReduceEx(sentinel), "system"),
-        "copyreg._reconstructor": (_Reduce(copyreg._reconstructor, Touch, Touch, sentinel), "copyreg"),
+        "copyreg._reconstructor": (_Reduce(copyreg._reconstructor, Touch, Touch, sentinel),
+                                   "copyreg"),
     }
     out = {name: (objects.SAFE_MAGIC + _archive(obj), must) for name, (obj, must) in corpus.items()}
     out["protocol-5 buffers"] = (objects.SAFE_MAGIC + _archive_raw(proto5), "NEXT_BUFFER")
-    out["protocol-5 buffer then os.system"] = (objects.SAFE_MAGIC + _archive_raw(proto5_gadget), "system")
+    out["protocol-5 buffer then os.system"] = (objects.SAFE_MAGIC + _archive_raw(proto5_gadget),
+                                               "system")
     out["protocol-0 INST"] = (objects.SAFE_MAGIC + _archive_raw(inst), "os.system")
     out["plain pickle header"] = (objects.MAGIC + pickle.dumps(_Reduce(os.system, touch)), "system")
     out["raw pickle in the restricted header"] = (
@@ -153,7 +157,8 @@ def _run_op(op: str, obj: Any) -> Any:
     raise ValueError(f"unknown op {op}")
 
 
-def gadget_round(rank: int, n: int, names: list[str], sentinel: str, workdir: str, op: str) -> list[str]:
+def gadget_round(rank: int, n: int, names: list[str], sentinel: str, workdir: str,
+                 op: str) -> list[str]:
     """Rank 0 sends each gadget in turn; the other ranks (restricted mode) report each refusal."""
     corpus = gadgets(sentinel, workdir)
     original = objects._encode
@@ -180,10 +185,12 @@ def plain_data_round(rank: int, n: int) -> list[Any]:
            "nested": [(1, "a"), None, True]}
     out: list[Any] = [None] * n
     dist.all_gather_object(out, obj)
-    return [{**o, "t": o["t"].tolist()} for o in out]   # plain lists: the result goes through a pipe
+    # plain lists: the result goes through a pipe
+    return [{**o, "t": o["t"].tolist()} for o in out]
 
 
-# -- a tcp rank started by hand (python tests/_security_workers.py mesh RANK PORT OUT FLAG) ----------
+# -- a tcp rank started by hand (python tests/_security_workers.py mesh RANK PORT OUT FLAG)
+# ----------
 def mesh_rank(rank: int, port: int, out: str, flag: str, timeout: float) -> None:
     """Rank 0 reveals its mesh listener and group id to the test (the attacker's best case);
     rank 1 waits for ``flag`` before it connects, so the test can attack rank 0's set-up."""
@@ -216,7 +223,8 @@ def mesh_rank(rank: int, port: int, out: str, flag: str, timeout: float) -> None
             return connect(*args)
         _tcp_mesh._connect = held
     store = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=timeout))
-    dist.init_process_group("tcp", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=timeout))
+    dist.init_process_group("tcp", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=timeout))
     done = time.monotonic()
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)

@@ -1,4 +1,5 @@
-"""Rank bodies for the tcp / auto tests: run_world bodies (loopback) and a script for simulated hosts.
+"""Rank bodies for the tcp / auto tests: run_world bodies (loopback) and a script for simulated
+hosts.
 
 As a script (one process per rank, started with ``ip netns exec`` by tests/test_netns*.py)::
 
@@ -32,7 +33,8 @@ OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM"]
 
 
 def _op(name: str) -> Any:
-    return dist._make_nccl_premul_sum(0.37) if name == "PREMUL_SUM" else getattr(dist.ReduceOp, name)
+    return (dist._make_nccl_premul_sum(0.37) if name == "PREMUL_SUM"
+            else getattr(dist.ReduceOp, name))
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -71,7 +73,8 @@ def differential(rank: int, n: int, sizes: tuple[int, ...] = (7, 20_000, 300_001
                 dist.reduce(r, dst=dst, op=_op(op), group=group)
                 if rank == dst:
                     out[f"reduce {numel} {dtype} {op}"] = _digest(r)
-    works = [dist.all_reduce(torch.full((1000,), float(rank + i)), async_op=True, group=group) for i in range(8)]
+    works = [dist.all_reduce(torch.full((1000,), float(rank + i)), async_op=True, group=group)
+             for i in range(8)]
     for w in works:
         w.wait()
     return out
@@ -172,7 +175,8 @@ def shared_connection(rank: int, n: int) -> dict[str, Any]:
         for _ in range(20):     # small, in place: what is sent must be the input, not the sum
             y = torch.full((1000,), float(rank + 1))
             dist.all_reduce(y, group=g)
-            small_ok = small_ok and bool(torch.equal(y, torch.full((1000,), float(n * (n + 1) // 2))))
+            small_ok = small_ok and bool(torch.equal(y,
+                                                     torch.full((1000,), float(n * (n + 1) // 2))))
     out["small_ok"] = small_ok
     if peer is not None:
         for w in works:
@@ -304,11 +308,12 @@ def scenarios(rank: int, n: int, T: float) -> dict[str, tuple[str, str, float]]:
         "op": lambda g: dist.all_reduce(torch.ones(4), group=g) if rank == 0
         else dist.broadcast(torch.ones(3), src=0, group=g),
         "shape": lambda g: dist.all_reduce(torch.ones(4 if rank == 0 else 3), group=g),
-        "dtype": lambda g: dist.all_reduce(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64),
-                                           group=g),
-        "p2p": lambda g: (dist.send(torch.ones(4), dst=1, tag=7, group=g), dist.barrier(group=g)) if rank == 0
-        else dist.recv(torch.empty(3), src=0, tag=7, group=g),
-        "skip": lambda g: dist.all_reduce(torch.ones(4), group=g) if rank == 0 else time.sleep(T + 1.0),
+        "dtype": lambda g: dist.all_reduce(
+            torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64), group=g),
+        "p2p": lambda g: (dist.send(torch.ones(4), dst=1, tag=7, group=g), dist.barrier(group=g))
+        if rank == 0 else dist.recv(torch.empty(3), src=0, tag=7, group=g),
+        "skip": lambda g: dist.all_reduce(torch.ones(4), group=g) if rank == 0
+        else time.sleep(T + 1.0),
     }
     out = {}
     for name in names:
@@ -335,22 +340,26 @@ def engine_cases(rank: int, n: int) -> dict[str, Any]:
 
     def same(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
         if not torch.equal(got, want):
-            bad.append(f"{what}: got {got.flatten()[:6].tolist()}, want {want.flatten()[:6].tolist()}")
+            bad.append(f"{what}: got {got.flatten()[:6].tolist()}, want "
+                       f"{want.flatten()[:6].tolist()}")
 
-    for case, (dtype, op) in enumerate([(torch.float32, "SUM"), (torch.int64, "MAX"), (torch.float64, "AVG"),
+    for case, (dtype, op) in enumerate([(torch.float32, "SUM"), (torch.int64, "MAX"),
+                                        (torch.float64, "AVG"),
                                         (torch.float32, "PREMUL_SUM"), (torch.int32, "BXOR")]):
         ins = [make(r, case, (6,), dtype) for r in range(n)]
         t = ins[rank].clone()
         dist.all_reduce(t, op=_op(op) if op != "PREMUL_SUM" else dist._make_nccl_premul_sum(0.5))
         same(f"all_reduce {dtype} {op}", t, ref_reduce(ins, op))
         r = ins[rank].clone()
-        dist.reduce(r, dst=n - 1, op=_op(op) if op != "PREMUL_SUM" else dist._make_nccl_premul_sum(0.5))
+        dist.reduce(r, dst=n - 1,
+                    op=_op(op) if op != "PREMUL_SUM" else dist._make_nccl_premul_sum(0.5))
         same(f"reduce {op}", r, ref_reduce(ins, op) if rank == n - 1 else ins[rank])
         big = [torch.cat([make(q, case + b, (3,), dtype) for b in range(n)]) for q in range(n)]
         rs = torch.empty(3, dtype=dtype)
         dist.reduce_scatter_tensor(rs, big[rank].clone(), op=_op(op) if op != "PREMUL_SUM"
                                    else dist._make_nccl_premul_sum(0.5))
-        same(f"reduce_scatter {op}", rs, ref_reduce([big[q][rank * 3:rank * 3 + 3] for q in range(n)], op))
+        same(f"reduce_scatter {op}", rs,
+             ref_reduce([big[q][rank * 3:rank * 3 + 3] for q in range(n)], op))
     b = torch.full((5,), float(rank))
     dist.broadcast(b, src=1)
     same("broadcast", b, torch.full((5,), 1.0))
@@ -362,11 +371,14 @@ def engine_cases(rank: int, n: int) -> dict[str, Any]:
     if gl is not None:
         same("gather", torch.stack(gl), torch.arange(n, dtype=torch.float32)[:, None].expand(n, 2))
     sc = torch.empty(2)
-    dist.scatter(sc, [torch.full((2,), 10.0 + q) for q in range(n)] if rank == n - 1 else None, src=n - 1)
+    dist.scatter(sc,
+                 [torch.full((2,), 10.0 + q) for q in range(n)] if rank == n - 1
+                 else None, src=n - 1)
     same("scatter", sc, torch.full((2,), 10.0 + rank))
     a2a_in = torch.cat([torch.full((rank + j + 1,), float(100 * rank + j)) for j in range(n)])
     a2a_out = torch.empty(sum(q + rank + 1 for q in range(n)))
-    dist.all_to_all_single(a2a_out, a2a_in, [q + rank + 1 for q in range(n)], [rank + j + 1 for j in range(n)])
+    dist.all_to_all_single(a2a_out, a2a_in, [q + rank + 1 for q in range(n)],
+                           [rank + j + 1 for j in range(n)])
     same("all_to_all_single", a2a_out, torch.cat([torch.full((q + rank + 1,), float(100 * q + rank))
                                                   for q in range(n)]))
     if rank == 0:
@@ -478,18 +490,23 @@ def hier_fake_hosts(rank: int, n: int, layouts: list[list[str]]) -> list[str]:
 
     w = current_world()
     for li, keys in enumerate(layouts):
-        tr = HierarchicalTransport.create(PrefixStore(f"fake{li}", w.store), rank, keys, 20.0, "fake")
+        tr = HierarchicalTransport.create(PrefixStore(f"fake{li}", w.store), rank, keys,
+                                          20.0, "fake")
         groups: dict[str, list[int]] = {}
         for r, k in enumerate(keys):
             groups.setdefault(k, []).append(r)
         try:
             for case, (numel, dtype, op) in enumerate(
                     [(7, torch.float32, RedOpType.SUM), (70_001, torch.float32, RedOpType.SUM),
-                     (70_001, torch.bfloat16, RedOpType.AVG), (300_000, torch.float64, RedOpType.PREMUL_SUM),
-                     (70_001, torch.float32, RedOpType.MAX), (70_001, torch.int64, RedOpType.PRODUCT),
-                     (300_000, torch.float32, RedOpType.SUM), (1_200_002, torch.float32, RedOpType.MIN)]):
+                     (70_001, torch.bfloat16, RedOpType.AVG),
+                     (300_000, torch.float64, RedOpType.PREMUL_SUM),
+                     (70_001, torch.float32, RedOpType.MAX),
+                     (70_001, torch.int64, RedOpType.PRODUCT),
+                     (300_000, torch.float32, RedOpType.SUM),
+                     (1_200_002, torch.float32, RedOpType.MIN)]):
                 xs = [_data(r, case, numel, dtype) if dtype.is_floating_point
-                      else torch.randint(-3, 4, (numel,), generator=torch.Generator().manual_seed(r))
+                      else torch.randint(-3, 4, (numel,),
+                                         generator=torch.Generator().manual_seed(r))
                       for r in range(n)]
                 factor = 0.37 if op == RedOpType.PREMUL_SUM else None
                 parts = [x * factor for x in xs] if factor else xs
@@ -501,21 +518,26 @@ def hier_fake_hosts(rank: int, n: int, layouts: list[list[str]]) -> list[str]:
                     tr.all_reduce(t, op, factor, ctx("all_reduce", t, int(op)))
                     tr.net.all_reduce(f, op, factor, ctx("all_reduce", f, int(op)))
                     if not (torch.equal(t, want) and torch.equal(f, want)):
-                        bad.append(f"{keys} all_reduce {numel} {dtype} {op.name} pipelined={pipelined}")
+                        bad.append(f"{keys} all_reduce {numel} {dtype} {op.name} "
+                                   f"pipelined={pipelined}")
             for case, (N, dtype, op) in enumerate(
                     [(3, torch.float32, RedOpType.SUM), (50_000, torch.float32, RedOpType.SUM),
-                     (30_001, torch.bfloat16, RedOpType.AVG), (40_000, torch.float64, RedOpType.PREMUL_SUM),
+                     (30_001, torch.bfloat16, RedOpType.AVG),
+                     (40_000, torch.float64, RedOpType.PREMUL_SUM),
                      (20_000, torch.int64, RedOpType.MAX)]):
                 xs = [_data(r, 50 + case, n * N, dtype) if dtype.is_floating_point
-                      else torch.randint(-9, 9, (n * N,), generator=torch.Generator().manual_seed(r))
+                      else torch.randint(-9, 9, (n * N,),
+                                         generator=torch.Generator().manual_seed(r))
                       for r in range(n)]
                 factor = 0.37 if op == RedOpType.PREMUL_SUM else None
                 parts = [(x * factor if factor else x)[rank * N:(rank + 1) * N] for x in xs]
                 want = torch.empty(N, dtype=dtype)
                 reduction(op, None, dtype, n).fold_(want, parts, list(groups.values()))
                 t, f = torch.empty(N, dtype=dtype), torch.empty(N, dtype=dtype)
-                tr.reduce_scatter(xs[rank].clone(), t, op, factor, ctx("reduce_scatter", t, int(op)))
-                tr.net.reduce_scatter(xs[rank].clone(), f, op, factor, ctx("reduce_scatter", f, int(op)))
+                tr.reduce_scatter(xs[rank].clone(), t, op, factor,
+                                  ctx("reduce_scatter", t, int(op)))
+                tr.net.reduce_scatter(xs[rank].clone(), f, op, factor,
+                                      ctx("reduce_scatter", f, int(op)))
                 if not (torch.equal(t, want) and torch.equal(f, want)):
                     bad.append(f"{keys} reduce_scatter {N} {dtype} {op.name}")
             inp = torch.arange(70_001, dtype=torch.float32) + 1e6 * rank
@@ -529,7 +551,8 @@ def hier_fake_hosts(rank: int, n: int, layouts: list[list[str]]) -> list[str]:
             if not torch.equal(b, torch.full((300_000,), float(n - 1))):
                 bad.append(f"{keys} broadcast")
             bad += _hier_p2p(tr, rank, n, keys,      # p2p counts differ by rank: no sequence number
-                             lambda op, t: OpContext(op, 0, rank, n, "fake", 20.0, t.dtype, t.numel(), -1, -1))
+                             lambda op, t: OpContext(op, 0, rank, n, "fake", 20.0, t.dtype,
+                                                     t.numel(), -1, -1))
         finally:
             tr.close()
     return bad
@@ -614,7 +637,8 @@ def subset_collectives(rank: int, n: int) -> list[str]:
         if not torch.equal(b, xs[R[0]]):
             bad.append(f"broadcast from ranks[0] {b.tolist()}")
         o = torch.empty(2)
-        tr.reduce_scatter(xs[rank].clone(), o, RedOpType.SUM, None, ctx("reduce_scatter", o, 0), ranks=R)
+        tr.reduce_scatter(xs[rank].clone(), o, RedOpType.SUM, None,
+                          ctx("reduce_scatter", o, 0), ranks=R)
         if not torch.equal(o, xs[2][2 * m:2 * m + 2] + xs[0][2 * m:2 * m + 2]):
             bad.append(f"reduce_scatter {o.tolist()}")
     t = torch.ones(3)
@@ -673,7 +697,8 @@ def main(argv: list[str]) -> None:
     try:
         # The store lives on host 0: after a cut, host 1's hang report must fail fast, not in 60 s.
         store = _store(r, outdir, master, store_timeout=60.0 if mode == "cases" else 1.5)
-        dist.init_process_group(backend, store=store, rank=r, world_size=n, timeout=timedelta(seconds=T))
+        dist.init_process_group(backend, store=store, rank=r, world_size=n,
+                                timeout=timedelta(seconds=T))
         result["backend"] = dist.get_backend()
         if mode in ("cases", "both"):
             import _cases

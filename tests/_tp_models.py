@@ -35,7 +35,8 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rope_tables(seq: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(seq: int, head_dim: int,
+                base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
     return angles.cos(), angles.sin()
@@ -62,7 +63,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True)
         return self.wo(o.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -90,8 +92,8 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, vocab: int = 32, d: int = 16, heads: int = 4, hidden: int = 24, layers: int = 2,
-                 seq: int = 8) -> None:
+    def __init__(self, vocab: int = 32, d: int = 16, heads: int = 4, hidden: int = 24,
+                 layers: int = 2, seq: int = 8) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, d)
         self.layers = nn.ModuleList(Block(d, heads, hidden) for _ in range(layers))

@@ -1,4 +1,5 @@
-"""Plans, training loops and rank bodies shared by the tensor-parallel tests (module level: they pickle).
+"""Plans, training loops and rank bodies shared by the tensor-parallel tests (module level: they
+pickle).
 
 A rank body builds the reference model (seeded, private generator), parallelizes a deep
 copy, trains both on the same batches and reports what the tests compare: losses per
@@ -45,18 +46,21 @@ def llama_plan(sp: bool) -> dict[str, Any]:
         "layers.*.attention.wv": ColwiseParallel(),
         "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),
         "layers.*.ffn_norm": SequenceParallel() if sp else None,
-        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(seq,),
+                                                    desired_input_layouts=(Replicate(),)),
         "layers.*.feed_forward.w1": ColwiseParallel(),
         "layers.*.feed_forward.w3": ColwiseParallel(),
         "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
         "norm": SequenceParallel() if sp else None,
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if sp else Replicate(),
+        "output": ColwiseParallel(input_layouts=seq,
+                                  output_layouts=Shard(-1) if sp else Replicate(),
                                   use_local_output=not sp),
     }
 
 
 def parallelize_llama(model: nn.Module, mesh: Any, sp: bool) -> nn.Module:
-    return parallelize_module(model, mesh, {k: v for k, v in llama_plan(sp).items() if v is not None})
+    return parallelize_module(model, mesh,
+                              {k: v for k, v in llama_plan(sp).items() if v is not None})
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -69,8 +73,10 @@ def max_diff(ours: nn.Module, ref: nn.Module, grads: bool) -> float:
                for p, q in pairs)
 
 
-def train_pair(model: nn.Module, ref: nn.Module, batches: list[Any], loss_fn: Callable[..., torch.Tensor],
-               foreach: bool, loss_ctx: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
+def train_pair(model: nn.Module, ref: nn.Module, batches: list[Any],
+               loss_fn: Callable[..., torch.Tensor],
+               foreach: bool,
+               loss_ctx: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
     """AdamW steps on both models (with ``foreach``, after ``clip_grad_norm_``); the first step's
     collectives and gradients are recorded."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=foreach)
@@ -89,13 +95,15 @@ def train_pair(model: nn.Module, ref: nn.Module, batches: list[Any], loss_fn: Ca
         out["losses"].append(float(full(loss).detach()))
         out["ref_losses"].append(float(ref_loss.detach()))
         if step == 0:
-            out["comms"] = (fwd.get_comm_counts(), loss_comm.get_comm_counts(), bwd.get_comm_counts())
+            out["comms"] = (fwd.get_comm_counts(), loss_comm.get_comm_counts(),
+                            bwd.get_comm_counts())
             out["grad_diff"] = max_diff(model, ref, grads=True)
         if foreach:         # every parameter a DTensor: clip the global norm (one all-reduce)
             with CommDebugMode() as clip:
                 norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-            out.setdefault("norms", []).append((float(full(norm)), float(ref_norm), clip.get_comm_counts()))
+            out.setdefault("norms", []).append((float(full(norm)), float(ref_norm),
+                                                clip.get_comm_counts()))
         opt.step()
         ropt.step()
         opt.zero_grad()
@@ -108,18 +116,21 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def token_batches(steps: int, vocab: int = 32, seq: int = 8, batch: int = 2, seed: int = 3) -> list[Any]:
+def token_batches(steps: int, vocab: int = 32, seq: int = 8, batch: int = 2,
+                  seed: int = 3) -> list[Any]:
     g = torch.Generator().manual_seed(seed)
     toks = [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(steps)]
     return [(t[:, :-1], t[:, 1:]) for t in toks]
 
 
 def llama_parity(rank: int, n: int, sp: bool, steps: int = 10) -> dict[str, Any]:
-    """TP (or TP + sequence parallel + loss_parallel) Llama on ``n`` ranks vs the same model on one."""
+    """TP (or TP + sequence parallel + loss_parallel) Llama on ``n`` ranks vs the same model on
+    one."""
     mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
     ref = init_(Llama())
     model = parallelize_llama(copy.deepcopy(ref), mesh, sp)
-    # all parameters are DTensors only with sp (the norms stay plain otherwise): foreach needs one kind
+    # all parameters are DTensors only with sp (the norms stay plain otherwise): foreach needs one
+    # kind
     return train_pair(model, ref, token_batches(steps), lm_loss, foreach=sp,
                       loss_ctx=loss_parallel if sp else contextlib.nullcontext)
 
@@ -132,21 +143,25 @@ def torch_tp_losses(tmp: str, rank: int, n: int, steps: int) -> list[float]:
     from torch.distributed.tensor import Replicate as TR
     from torch.distributed.tensor import Shard as TS
 
-    tdist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'gloo')}", rank=rank, world_size=n)
+    tdist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'gloo')}", rank=rank,
+                             world_size=n)
     try:
         mesh = t_init("cpu", (n,))
         seq = TS(1)
         plan: dict[str, Any] = {
             "tok_embeddings": ttp.RowwiseParallel(input_layouts=TR(), output_layouts=seq),
             "norm": ttp.SequenceParallel(),
-            "output": ttp.ColwiseParallel(input_layouts=seq, output_layouts=TS(-1), use_local_output=False)}
+            "output": ttp.ColwiseParallel(input_layouts=seq, output_layouts=TS(-1),
+                                          use_local_output=False)}
         for layer in ("attention", "feed_forward"):
             inputs = (seq, None, None) if layer == "attention" else (seq,)
             wanted = (TR(), None, None) if layer == "attention" else (TR(),)
-            plan[f"layers.*.{layer}"] = ttp.PrepareModuleInput(input_layouts=inputs, desired_input_layouts=wanted)
+            plan[f"layers.*.{layer}"] = (ttp.PrepareModuleInput(
+                input_layouts=inputs, desired_input_layouts=wanted))
         plan["layers.*.attention_norm"] = ttp.SequenceParallel()
         plan["layers.*.ffn_norm"] = ttp.SequenceParallel()
-        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
+                     "feed_forward.w3"):
             plan[f"layers.*.{name}"] = ttp.ColwiseParallel()
         for name in ("attention.wo", "feed_forward.w2"):
             plan[f"layers.*.{name}"] = ttp.RowwiseParallel(output_layouts=seq)
@@ -167,10 +182,11 @@ def torch_tp_losses(tmp: str, rank: int, n: int, steps: int) -> list[float]:
 
 
 def llama_vs_torch(rank: int, n: int, tmp: str, steps: int = 5) -> dict[str, Any]:
-    """Real processes: ringlet TP+SP over shm next to torch TP+SP over gloo, same model and batches."""
+    """Real processes: ringlet TP+SP over shm next to torch TP+SP over gloo, same model and
+    batches."""
     ours = llama_parity(rank, n, sp=True, steps=steps)
-    return {"ours": ours["losses"], "ref": ours["ref_losses"], "torch": torch_tp_losses(tmp, rank, n, steps),
-            "param_diff": ours["param_diff"]}
+    return {"ours": ours["losses"], "ref": ours["ref_losses"],
+            "torch": torch_tp_losses(tmp, rank, n, steps), "param_diff": ours["param_diff"]}
 
 
 def llama_2d(rank: int, n: int, strategy: str, steps: int = 5) -> dict[str, Any]:
@@ -208,6 +224,8 @@ def llama_2d(rank: int, n: int, strategy: str, steps: int = 5) -> dict[str, Any]
             o.step()
             o.zero_grad()
     sd = (model.module if strategy == "ddp" else model).state_dict()
-    out["param_diff"] = max(float((full(sd[k]) - v).abs().max()) for k, v in ref.state_dict().items())
-    out["placements"] = sorted({"".join(map(repr, v.placements)) for v in sd.values() if isinstance(v, DTensor)})
+    out["param_diff"] = max(float((full(sd[k]) - v).abs().max())
+                            for k, v in ref.state_dict().items())
+    out["placements"] = sorted({"".join(map(repr, v.placements)) for v in sd.values()
+                                if isinstance(v, DTensor)})
     return out

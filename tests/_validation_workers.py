@@ -42,7 +42,8 @@ def check_dtensor(rank: int, n: int) -> dict[str, Any]:
     seq = dist.group.WORLD.seq
     out = {"all_reduce": outcome(lambda: dist.all_reduce(d)),
            "broadcast": outcome(lambda: dist.broadcast(r, src=0)),
-           "all_gather_into_tensor": outcome(lambda: dist.all_gather_into_tensor(torch.empty(4), d)),
+           "all_gather_into_tensor": outcome(
+               lambda: dist.all_gather_into_tensor(torch.empty(4), d)),
            "send": outcome(lambda: dist.send(d, dst=1 - rank))}
     out["seq_unchanged"] = dist.group.WORLD.seq == seq
     local = d.to_local().clone()
@@ -56,7 +57,8 @@ def check_read_only(rank: int, n: int) -> dict[str, Any]:
     """Writing into read-only memory must raise, never SIGSEGV; reading from it is fine."""
     out: dict[str, Any] = {}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)      # torch warns that the buffer is not writable
+        # torch warns that the buffer is not writable
+        warnings.simplefilter("ignore", UserWarning)
         frozen = torch.frombuffer(bytes(range(1, 9)), dtype=torch.uint8)
         mm = read_only_map(bytes(range(16)) * 256)
         mapped = torch.frombuffer(mm, dtype=torch.float32)
@@ -77,7 +79,8 @@ def check_read_only(rank: int, n: int) -> dict[str, Any]:
 
 
 def check_freed_storage(rank: int, n: int) -> dict[str, Any]:
-    """A storage resized to 0 bytes (as FSDP frees parameters) is refused, before and while queued."""
+    """A storage resized to 0 bytes (as FSDP frees parameters) is refused, before and while
+    queued."""
     t = torch.ones(4)
     t.untyped_storage().resize_(0)
     out = {"freed": outcome(lambda: dist.all_reduce(t))}
@@ -172,8 +175,8 @@ def check_coalescing(rank: int, n: int) -> dict[str, Any]:
         dist._all_gather_base(g, torch.full((2,), float(rank)))
         r = torch.empty(1)
         dist._reduce_scatter_base(r, torch.ones(n))
-    return {"a": a.tolist(), "b": b.tolist(), "c": c.tolist(), "outs": outs.tolist(), "rs": rs.tolist(),
-            "issued": {k: after.get(k, 0) - before.get(k, 0) for k in after},
+    return {"a": a.tolist(), "b": b.tolist(), "c": c.tolist(), "outs": outs.tolist(),
+            "rs": rs.tolist(), "issued": {k: after.get(k, 0) - before.get(k, 0) for k in after},
             "d": d.tolist(), "e": e.tolist(), "base": [g.tolist(), r.tolist()],
             "warned": sorted({str(x.category.__name__) for x in caught})}
 
@@ -187,7 +190,8 @@ def check_profiler(rank: int, n: int) -> dict[str, Any]:
         dist.broadcast(t, src=0)
         w = dist.all_gather_into_tensor(torch.empty(6 * n), t, async_op=True)
         w.wait()
-    events = [e for e in prof.events() if ":" in e.name and not e.name.startswith(("aten::", "profiler:"))]
+    events = [e for e in prof.events()
+              if ":" in e.name and not e.name.startswith(("aten::", "profiler:"))]
     reduces = [e for e in events if e.name.endswith(":all_reduce")]
     return {"names": sorted({e.name for e in events}),
             "shapes": [list(map(list, e.input_shapes)) for e in reduces],
@@ -199,4 +203,5 @@ def proc_suite(rank: int, n: int) -> dict[str, Any]:
         ("dtensor", check_dtensor), ("read_only", check_read_only), ("freed", check_freed_storage),
         ("barrier", check_barrier),
         ("sort_ranks", check_sort_ranks), ("object_lists", check_object_lists),
-        ("split_group", check_split_group), ("coalescing", check_coalescing), ("profiler", check_profiler)]}
+        ("split_group", check_split_group), ("coalescing", check_coalescing),
+        ("profiler", check_profiler)]}

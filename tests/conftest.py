@@ -17,7 +17,8 @@ from leaks import snapshot, wait_clean
 
 @pytest.fixture(autouse=True)
 def leak_audit(request: pytest.FixtureRequest):
-    """Fail a test that leaves child processes, threads, ringlet /dev/shm segments or listeners behind."""
+    """Fail a test that leaves child processes, threads, ringlet /dev/shm segments or listeners
+    behind."""
     before = snapshot()
     yield
     leaked = wait_clean(before, grace=5.0)

@@ -1,4 +1,5 @@
-"""Snapshots of what a test may leak: child processes, threads, /dev/shm segments, listening sockets."""
+"""Snapshots of what a test may leak: child processes, threads, /dev/shm segments, listening
+sockets."""
 
 from __future__ import annotations
 
@@ -81,11 +82,13 @@ def listeners() -> set[str]:
 
 
 def snapshot() -> dict[str, set[Any]]:
-    return {"children": children(), "threads": threads(), "shm": shm_segments(), "listeners": listeners()}
+    return {"children": children(), "threads": threads(), "shm": shm_segments(),
+            "listeners": listeners()}
 
 
 def wait_clean(before: dict[str, set[Any]], grace: float) -> dict[str, list[Any]]:
-    """Poll up to ``grace`` seconds for what appeared since ``before`` to go away; return what stays."""
+    """Poll up to ``grace`` seconds for what appeared since ``before`` to go away; return what
+    stays."""
     deadline = time.monotonic() + grace
     while True:
         now = snapshot()

@@ -1,9 +1,9 @@
 """Simulated hosts for tests: network namespaces on one bridge
 (docs/reliability.md#simulated-hosts).
 
-``SimNet(k)`` builds ``k`` hosts ``10.77.0.1 .. 10.77.0.k`` (namespaces ``rt_<tag>_h0..``), each with
-a veth pair whose other end is a port of a bridge in the "switch" namespace ``rt_<tag>_sw``.  The
-tag is random per fixture, so two test sessions on one machine never share a namespace or an
+``SimNet(k)`` builds ``k`` hosts ``10.77.0.1 .. 10.77.0.k`` (namespaces ``rt_<tag>_h0..``), each
+with a veth pair whose other end is a port of a bridge in the "switch" namespace ``rt_<tag>_sw``.
+The tag is random per fixture, so two test sessions on one machine never share a namespace or an
 interface name; everything is prefixed ``rt`` so that a sweep can remove leftovers.  The network
 is always torn down (``close``), and every process started in it is killed and reaped.
 
@@ -104,8 +104,8 @@ class SimNet:
         (netem is not available here): a network slower than memory, as between real hosts."""
         burst = "512kb"   # >= rate / HZ for rates up to ~4 Gbit/s
         for ns, dev in ((self.hosts[i], self.veth(i)), (self.sw, self.port(i))):
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                            "rate", rate, "burst", burst, "latency", "100ms"],
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev,
+                            "root", "tbf", "rate", rate, "burst", burst, "latency", "100ms"],
                            check=True, capture_output=True, text=True, timeout=20)
 
     def start(self, i: int, argv: Sequence[str], env: dict[str, str] | None = None,
