@@ -29,7 +29,8 @@ def test_ddp_refuses_a_dtensor_sharded_over_its_own_group() -> None:
 
 @pytest.mark.timeout(120)
 def test_ddp_with_dtensor_params_in_processes_over_shm() -> None:
-    """The two cases in real processes: 2x2 DDP+TP trains; the overlapping layout raises, no crash."""
+    """The two cases in real processes: 2x2 DDP+TP trains; the overlapping layout raises, no
+    crash."""
     for r in raise_first(run_world(4, W.ddp_tp_train, "tp1d", timeout=100)):
         assert r["diff"] < 1e-6 and max(r["round_trip"]) == 0.0, r
     for msg in raise_first(run_world(2, W.ddp_overlap_refused, timeout=60)):

@@ -13,7 +13,8 @@ from ringlet.testing.procs import raise_first, run_world
 pytestmark = pytest.mark.timeout(90)
 
 EXPECTED = {
-    "fsdp": {"fc1.weight": "_S(0,2)S(0)", "fc1.bias": "_S(0,2)S(0)", "fc2.weight": "S(0)S(1)", "fc2.bias": "S(0)R"},
+    "fsdp": {"fc1.weight": "_S(0,2)S(0)", "fc1.bias": "_S(0,2)S(0)", "fc2.weight": "S(0)S(1)",
+             "fc2.bias": "S(0)R"},
     "hsdp": {"fc1.weight": "R_S(0,2)S(0)", "fc1.bias": "R_S(0,2)S(0)", "fc2.weight": "RS(0)S(1)",
              "fc2.bias": "RS(0)R"},
 }
@@ -27,7 +28,8 @@ def test_fully_shard_over_tp_params_matches_one_process(variant: str) -> None:
         # 2 groups: forward all-gathers both, backward re-gathers fc1 (the root keeps its own);
         # the one all-reduce per axis is clip_grad_norm_'s total norm.
         assert r["dp_counts"] == {"all_gather": 3, "reduce_scatter": 2, "all_reduce": 1}, r
-        assert r["tp_counts"] == {"all_reduce": 2}, r       # TP's own (row-parallel output) + the norm
+        # TP's own (row-parallel output) + the norm
+        assert r["tp_counts"] == {"all_reduce": 2}, r
         assert r["sd_types"] == ["DTensor"], r
         assert r["diff"] < 1e-6, r
         assert max(r["round_trip"]) == 0.0, r
@@ -35,7 +37,8 @@ def test_fully_shard_over_tp_params_matches_one_process(variant: str) -> None:
 
 def test_layouts_that_do_not_combine_are_refused_clearly() -> None:
     for same_axis, unnamed in run_threads(W.fsdp_tp_refusals, 4):
-        assert "expected" in same_axis and "Replicate along fully_shard's mesh axis 'tp'" in same_axis, same_axis
+        assert ("expected" in same_axis
+                and "Replicate along fully_shard's mesh axis 'tp'" in same_axis), same_axis
         assert "named axes" in unnamed, unnamed
 
 

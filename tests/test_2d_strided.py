@@ -26,16 +26,19 @@ R = Replicate()
 def test_local_shape_and_offset_applies_strided_shards_last() -> None:
     pls = [_StridedShard(0, 2), Shard(0)]
     # 8 rows on (dp=2, tp=2): tp chunk t = rows 4t..4t+4, dp piece d of it = 2 rows
-    got = {(d, t): local_shape_and_offset((8, 3), (2, 2), (d, t), pls) for d in range(2) for t in range(2)}
+    got = ({(d, t): local_shape_and_offset((8, 3), (2, 2), (d, t),
+                                           pls) for d in range(2) for t in range(2)})
     assert got == {(0, 0): ([2, 3], [0, 0]), (1, 0): ([2, 3], [2, 0]), (0, 1): ([2, 3], [4, 0]),
                    (1, 1): ([2, 3], [6, 0])}
     # uneven: 7 rows -> tp chunks 4, 3 -> dp pieces (2, 2), (2, 1)
-    assert [local_shape_and_offset((7,), (2, 2), (d, t), pls)[0][0] for t in range(2) for d in range(2)] == \
+    assert [local_shape_and_offset((7,), (2, 2), (d, t), pls)[0][0] for t in range(2)
+            for d in range(2)] == \
         [2, 2, 2, 1]
     assert repr(_StridedShard(0, 2)) == "_S(0,2)" and _StridedShard(0, 2) != Shard(0)
 
 
-PLACEMENTS = [(_StridedShard(0, 2), Shard(0)), (Shard(0), Shard(0)), (R, Shard(0)), (Shard(0), R), (R, R),
+PLACEMENTS = [(_StridedShard(0, 2), Shard(0)), (Shard(0), Shard(0)), (R, Shard(0)),
+              (Shard(0), R), (R, R),
               (Shard(1), Shard(0)), (_StridedShard(0, 2), Shard(1)), (_StridedShard(0, 2), R)]
 
 
@@ -88,7 +91,8 @@ def _optimizer_ops(rank: int, world: int) -> dict[str, object]:
     out: dict[str, object] = {
         "placements": tuple(p.placements),
         "step": (p.full_tensor() - ref_p.detach()).abs().max().item(),
-        "norm": abs(float(norm.full_tensor() if isinstance(norm, DTensor) else norm) - float(ref_norm)),
+        "norm": abs(float(norm.full_tensor() if isinstance(norm, DTensor)
+                          else norm) - float(ref_norm)),
         "clipped": (p.grad.full_tensor() - ref_p.grad).abs().max().item(),
         "add": (torch.add(p, p.grad).full_tensor() - (ref_p + ref_p.grad)).abs().max().item(),
     }

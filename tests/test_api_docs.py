@@ -24,11 +24,13 @@ def test_every_facade_module_declares_its_public_names() -> None:
     bare = []
     for name in gen.public_modules():
         mod = importlib.import_module(name)
-        exported = [k for k, v in vars(mod).items() if not k.startswith("_") and not inspect.ismodule(v)
+        exported = [k for k, v in vars(mod).items()
+                    if not k.startswith("_") and not inspect.ismodule(v)
                     and getattr(v, "__module__", "").startswith("ringlet")]
         if exported and not hasattr(mod, "__all__"):
             bare.append(name)
-    assert not bare, f"public modules without __all__ (their names would be missing from the docs): {bare}"
+    assert not bare, ("public modules without __all__ (their names would be missing from the "
+                      f"docs): {bare}")
 
 
 def test_api_reference_is_current() -> None:
@@ -56,7 +58,8 @@ def test_api_reference_reaches_every_name_from_the_docs_index() -> None:
 def test_environment_section_of_usage_is_current() -> None:
     page = (ROOT / "docs" / "usage.md").read_text()
     assert page == gen.with_env_section(page), (
-        f"docs/usage.md's environment variables differ from ringlet/_env.py; regenerate with: {gen.COMMAND}")
+        "docs/usage.md's environment variables differ from ringlet/_env.py; regenerate with: "
+        f"{gen.COMMAND}")
 
 
 def test_every_environment_variable_is_documented_once() -> None:
@@ -66,13 +69,16 @@ def test_every_environment_variable_is_documented_once() -> None:
 
     used = set()
     for path in (ROOT / "ringlet").rglob("*.py"):
-        used |= set(re.findall(r"[\"']((?:RINGLET|TORCH|GLOO|TORCHELASTIC)_[A-Z_]+)[\"']", path.read_text()))
+        used |= set(re.findall(r"[\"']((?:RINGLET|TORCH|GLOO|TORCHELASTIC)_[A-Z_]+)[\"']",
+                               path.read_text()))
     doc = _env.__doc__ or ""
     undocumented = sorted(v for v in used if v.startswith("RINGLET_") and f"``{v}``" not in doc)
-    assert not undocumented, f"environment variables missing from ringlet/_env.py's docstring: {undocumented}"
+    assert not undocumented, ("environment variables missing from ringlet/_env.py's docstring: "
+                              f"{undocumented}")
     tables = [p.name for p in (ROOT / "docs").glob("*.md")
               if re.search(r"^\| `RINGLET_TIMEOUT` \|", p.read_text(), re.MULTILINE)]
-    assert tables == ["usage.md"], f"the environment-variable table must live in usage.md only: {tables}"
+    assert tables == ["usage.md"], ("the environment-variable table must live in usage.md only: "
+                                    f"{tables}")
 
 
 def test_every_launcher_flag_is_explained() -> None:

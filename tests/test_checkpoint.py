@@ -39,7 +39,9 @@ def test_plain_values_round_trip_and_refusals() -> None:
         back = decode_value(json.loads(json.dumps(encode_value(v))))
         assert back == v and type(back) is type(v)
     assert str(decode_value(encode_value(float("nan")))) == "nan"
-    with pytest.raises(TypeError, match=r"state_dict\['k'\]: expected a tensor or a plain value.*never pickle"):
+    with pytest.raises(TypeError,
+                       match=r"state_dict\['k'\]: expected a tensor or a plain value.*never "
+                             r"pickle"):
         encode_value(object(), "k")
     with pytest.raises(ValueError, match="both flatten to the key 'a.b'"):
         flatten({"a": {"b": 1}, "a.b": 2})
@@ -71,16 +73,18 @@ def test_plan_writes_replicated_boxes_once_and_balances() -> None:
 
 
 def _meta(chunks: list[dict], files: dict | None = None, shape: list | None = None) -> bytes:
-    return json.dumps({"format": "ringlet-checkpoint", "version": 1, "save_id": "ab", "world_size": 1,
-                       "checksum": {"algorithm": "crc32", "block_bytes": 1 << 20},
+    return json.dumps({"format": "ringlet-checkpoint", "version": 1, "save_id": "ab",
+                       "world_size": 1, "checksum": {"algorithm": "crc32", "block_bytes": 1 << 20},
                        "files": files or {"shard-a": {"bytes": 1000}},
-                       "tensors": {"w": {"path": ["w"], "dtype": "float32", "shape": shape or [4, 4],
+                       "tensors": {"w": {"path": ["w"], "dtype": "float32",
+                                         "shape": shape or [4, 4],
                                          "chunks": chunks}}, "values": {}}).encode()
 
 
 def _chunk(offsets: list, sizes: list, file: str = "shard-a", begin: int = 0) -> dict:
     n = 4 * sizes[0] * sizes[1]
-    return {"offsets": offsets, "sizes": sizes, "file": file, "begin": begin, "end": begin + n, "crc32": [0]}
+    return {"offsets": offsets, "sizes": sizes, "file": file, "begin": begin, "end": begin + n,
+            "crc32": [0]}
 
 
 def test_metadata_parser_refuses_bad_or_hostile_files() -> None:
@@ -94,7 +98,8 @@ def test_metadata_parser_refuses_bad_or_hostile_files() -> None:
         "hold 8 of the 16": _meta([_chunk([0, 0], [2, 4])]),
         "does not hold": _meta([dict(_chunk([0, 0], [4, 4]), end=10)]),
         "inside shard-a": _meta([_chunk([0, 0], [4, 4], begin=990)]),
-        "JSON constant NaN": _meta([_chunk([0, 0], [4, 4])]).replace(b'"world_size": 1', b'"world_size": NaN'),
+        "JSON constant NaN": _meta([_chunk([0, 0], [4, 4])]).replace(
+            b'"world_size": 1', b'"world_size": NaN'),
         "not a valid": b"\x80garbage",
     }
     for what, raw in bad.items():
@@ -103,22 +108,27 @@ def test_metadata_parser_refuses_bad_or_hostile_files() -> None:
 
 
 def test_plan_reads_direct_where_contiguous_else_whole_rows() -> None:
-    meta = Metadata.from_json_bytes(_meta([_chunk([0, 0], [2, 4]), _chunk([2, 0], [2, 4], begin=32)])).tensors["w"]
+    meta = (Metadata.from_json_bytes(_meta([_chunk([0, 0], [2, 4]),
+                                            _chunk([2, 0], [2, 4], begin=32)])).tensors["w"])
     ops = plan_reads(meta, Box.of([1, 0], [2, 4]))            # rows 1..2: one row from each chunk
     assert [(op.direct, op.lo, op.hi) for op in ops] == [(True, 16, 32), (True, 32, 48)]
-    ops = plan_reads(meta, Box.of([0, 2], [4, 2]))            # a column block: whole rows, sliced later
-    assert [(op.direct, op.lo, op.hi, op.first_row) for op in ops] == [(False, 0, 32, 0), (False, 32, 64, 0)]
+    # a column block: whole rows, sliced later
+    ops = plan_reads(meta, Box.of([0, 2], [4, 2]))
+    assert ([(op.direct, op.lo, op.hi, op.first_row) for op in ops]
+            == [(False, 0, 32, 0), (False, 32, 64, 0)])
 
 
 # ---------------------------------------------------------------- one process
 
 def test_one_process_round_trip_every_dtype_and_safetensors(tmp_path) -> None:
     sd = {"f": torch.randn(3, 4), "h": torch.randn(5).half(), "bf": torch.randn(2, 2).bfloat16(),
-          "i": torch.arange(6).view(2, 3), "b": torch.tensor([True, False]), "c": torch.randn(3, dtype=torch.cfloat),
+          "i": torch.arange(6).view(2, 3), "b": torch.tensor([True, False]),
+          "c": torch.randn(3, dtype=torch.cfloat),
           "s": torch.tensor(7.0), "e": torch.empty(0, 3), "t": torch.randn(4, 6).t(),
           "nested": {"list": [1, "two", None, 2.5], "empty": {}, "blob": b"\x01"}, "step": 12}
     meta = dcp.save(sd, checkpoint_id=tmp_path / "ck")
-    assert meta.world_size == 1 and set(meta.tensors) == {"f", "h", "bf", "i", "b", "c", "s", "e", "t"}
+    assert (meta.world_size == 1
+            and set(meta.tensors) == {"f", "h", "bf", "i", "b", "c", "s", "e", "t"})
     tgt = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
     tgt["nested"] = {"list": [0, "", 0, 0.0], "empty": {}, "blob": b""}
     dcp.load(tgt, checkpoint_id=tmp_path / "ck")
@@ -147,24 +157,30 @@ def test_export_to_torch_file_and_back_and_cli(tmp_path) -> None:
         dcp.load(again, checkpoint_id=tmp_path / "ck2")
     assert torch.equal(again["model"]["fc.bias"], sd["model"]["fc.bias"])
     cli = [sys.executable, "-m", "ringlet.distributed.checkpoint"]
-    out = subprocess.run([*cli, "ls", str(tmp_path / "ck")], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and "model.fc.weight" in out.stdout and "float32" in out.stdout, out.stderr
+    out = subprocess.run([*cli, "ls", str(tmp_path / "ck")], capture_output=True,
+                         text=True, timeout=60)
+    assert (out.returncode == 0 and "model.fc.weight" in out.stdout
+            and "float32" in out.stdout), out.stderr
     assert "[3, 2]" in out.stdout and "2 tensor(s), 36 bytes" in out.stdout
-    ok = subprocess.run([*cli, "verify", str(tmp_path / "ck")], capture_output=True, text=True, timeout=60)
+    ok = subprocess.run([*cli, "verify", str(tmp_path / "ck")], capture_output=True,
+                        text=True, timeout=60)
     assert ok.returncode == 0 and ok.stdout.startswith("OK"), ok.stdout + ok.stderr
     shard = next(p for p in (tmp_path / "ck").iterdir() if p.suffix == ".safetensors")
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x40
     shard.write_bytes(bytes(data))
-    bad = subprocess.run([*cli, "verify", str(tmp_path / "ck")], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([*cli, "verify", str(tmp_path / "ck")], capture_output=True,
+                         text=True, timeout=60)
     assert bad.returncode == 1 and "BAD" in bad.stdout and "model.fc.bias" in bad.stdout, bad.stdout
     if pytest.importorskip("safetensors"):
-        conv = subprocess.run([*cli, "to-safetensors", str(tmp_path / "ck2"), str(tmp_path / "one.st")],
+        conv = subprocess.run([*cli, "to-safetensors", str(tmp_path / "ck2"),
+                               str(tmp_path / "one.st")],
                               capture_output=True, text=True, timeout=60)
         assert conv.returncode == 0, conv.stderr
         from safetensors.torch import load_file
 
-        assert torch.equal(load_file(str(tmp_path / "one.st"))["model.fc.weight"], sd["model"]["fc.weight"])
+        assert torch.equal(load_file(str(tmp_path / "one.st"))["model.fc.weight"],
+                           sd["model"]["fc.weight"])
 
 
 # ---------------------------------------------------------------- resharding on rank threads
@@ -181,7 +197,8 @@ LAYOUTS = {   # world size -> (mesh shape, placements) variants
 def _save_layout(rank: int, world: int, path: str, shape: tuple, pls: list) -> None:
     mesh = init_device_mesh("cpu", shape)
     dt = distribute_tensor(FULL, mesh, pls)
-    dcp.save({"w": dt, "plain": torch.arange(5), "step": 9, "rng": {f"r{rank}": torch.tensor([rank])}},
+    dcp.save({"w": dt, "plain": torch.arange(5), "step": 9,
+              "rng": {f"r{rank}": torch.tensor([rank])}},
              checkpoint_id=path)
 
 
@@ -190,9 +207,11 @@ def _load_layout(rank: int, world: int, path: str, shape: tuple, pls: list) -> b
     dt = distribute_tensor(torch.zeros_like(FULL), mesh, pls)
     sd = {"w": dt, "plain": torch.zeros(5, dtype=torch.int64), "step": 0}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")          # rng.r* are per-rank keys this state dict does not ask for
+        # rng.r* are per-rank keys this state dict does not ask for
+        warnings.simplefilter("ignore")
         dcp.load(sd, checkpoint_id=path)
-    return bool(torch.equal(dt.full_tensor(), FULL)) and sd["step"] == 9 and sd["plain"].tolist() == list(range(5))
+    return (bool(torch.equal(dt.full_tensor(), FULL)) and sd["step"] == 9
+            and sd["plain"].tolist() == list(range(5)))
 
 
 @pytest.mark.parametrize(("n", "m"), [(4, 2), (2, 4), (4, 3), (3, 1), (1, 4), (2, 3)])
@@ -203,14 +222,16 @@ def test_reshard_n_to_m_bit_exact(tmp_path, n: int, m: int) -> None:
         files = sorted(p for p in os.listdir(path) if p.endswith(".safetensors"))
         assert 1 <= len(files) <= n
         for shape2, pls2 in LAYOUTS[m]:
-            assert run_threads(_load_layout, m, path, shape2, pls2) == [True] * m, (shape, pls, shape2, pls2)
+            assert (run_threads(_load_layout, m, path, shape2, pls2)
+                    == [True] * m), (shape, pls, shape2, pls2)
 
 
 def _partial_round_trip(rank: int, world: int, path: str) -> bool:
     mesh = init_device_mesh("cpu", (world,))
     part = distribute_tensor(FULL, mesh, [Replicate()]).redistribute(mesh, [Partial()])
     dcp.save({"w": part}, checkpoint_id=path)
-    tgt = distribute_tensor(torch.zeros_like(FULL), mesh, [Replicate()]).redistribute(mesh, [Partial()])
+    tgt = (distribute_tensor(torch.zeros_like(FULL), mesh,
+                             [Replicate()]).redistribute(mesh, [Partial()]))
     dcp.load({"w": tgt}, checkpoint_id=path)
     return bool(torch.equal(tgt.full_tensor(), FULL))
 
@@ -223,7 +244,8 @@ def test_partial_dtensors_are_reduced_on_save_and_partitioned_on_load(tmp_path) 
 
 def _keys(rank: int, world: int, path: str, case: str) -> object:
     if case == "save":
-        return dcp.save({"a": torch.ones(2), "b": torch.ones(3), "extra": torch.ones(1)}, checkpoint_id=path)
+        return dcp.save({"a": torch.ones(2), "b": torch.ones(3), "extra": torch.ones(1)},
+                        checkpoint_id=path)
     if case == "missing":
         return dcp.load({"a": torch.zeros(2), "zz": torch.zeros(1), "yy": 1}, checkpoint_id=path)
     if case == "partial":
@@ -236,7 +258,8 @@ def _keys(rank: int, world: int, path: str, case: str) -> object:
             warnings.simplefilter("always")
             dcp.load(sd, checkpoint_id=path, planner=planner)
         return sd["a"].tolist(), sd["zz"].tolist(), [str(w.message) for w in seen]
-    return dcp.load({"a": torch.zeros(3), "b": torch.zeros(3, dtype=torch.int64)}, checkpoint_id=path)
+    return dcp.load({"a": torch.zeros(3), "b": torch.zeros(3, dtype=torch.int64)},
+                    checkpoint_id=path)
 
 
 def test_missing_keys_are_listed_on_every_rank_unexpected_reported(tmp_path) -> None:
@@ -250,7 +273,8 @@ def test_missing_keys_are_listed_on_every_rank_unexpected_reported(tmp_path) -> 
     a, zz, warned = run_threads(_keys, 2, path, "partial")[0]
     assert a == [1.0, 1.0] and zz == [0.0]
     assert any("'b'" in w and "'extra'" in w for w in warned), warned
-    with pytest.raises(RankFailure, match=r"'a': checkpoint has float32\[2\], the state dict float32\[3\]"):
+    with pytest.raises(RankFailure,
+                       match=r"'a': checkpoint has float32\[2\], the state dict float32\[3\]"):
         run_threads(_keys, 2, path, "mismatch")
 
 
@@ -263,14 +287,17 @@ def _async(rank: int, world: int, root: str) -> list:
     first = dcp.async_save({"w": w, "p": plain, "step": 1}, checkpoint_id=f"{root}/a")
     w.to_local().add_(1)                 # training goes on: the save holds the values of the call
     plain.add_(1)
-    second = dcp.async_save({"w": w, "p": plain, "step": 2}, checkpoint_id=f"{root}/b")   # waits for first
+    # waits for first
+    second = dcp.async_save({"w": w, "p": plain, "step": 2}, checkpoint_id=f"{root}/b")
     assert first.done()
     meta = second.result(timeout=30)
     got = []
     for sub in ("a", "b"):
-        tgt = {"w": distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)]), "p": torch.zeros(3), "step": 0}
+        tgt = {"w": distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)]),
+               "p": torch.zeros(3), "step": 0}
         dcp.load(tgt, checkpoint_id=f"{root}/{sub}")
-        got.append((tgt["w"].full_tensor().unique().tolist(), tgt["p"].unique().tolist(), tgt["step"]))
+        got.append((tgt["w"].full_tensor().unique().tolist(), tgt["p"].unique().tolist(),
+                    tgt["step"]))
     return [got, meta.save_id]
 
 
@@ -282,7 +309,8 @@ def test_async_save_snapshots_at_call_time_one_in_flight(tmp_path) -> None:
 def test_overwrite_false_and_missing_checkpoint_and_file_in_the_way(tmp_path) -> None:
     dcp.save({"a": torch.ones(2)}, checkpoint_id=tmp_path / "ck")
     with pytest.raises(dcp.CheckpointException, match="overwrite=False"):
-        dcp.save({"a": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(tmp_path / "ck", overwrite=False))
+        dcp.save({"a": torch.ones(2)},
+                 storage_writer=dcp.FileSystemWriter(tmp_path / "ck", overwrite=False))
     with pytest.raises(dcp.CheckpointException, match="no committed checkpoint"):
         dcp.load({"a": torch.zeros(2)}, checkpoint_id=tmp_path / "nothing")
     (tmp_path / "file").write_text("x")

@@ -73,7 +73,8 @@ def _corrupt(path: Path, how: str) -> str:
 @pytest.mark.parametrize(("how", "message"), [
     ("flip", "checksum mismatch"), ("truncate", "truncated or replaced"), ("empty", "expected"),
     ("missing", "missing"), ("symlink", "is a symlink")])
-def test_damaged_shard_is_refused_on_every_rank_before_copying(tmp_path, how: str, message: str) -> None:
+def test_damaged_shard_is_refused_on_every_rank_before_copying(tmp_path, how: str,
+                                                               message: str) -> None:
     path = tmp_path / "ck"
     run_threads(_save, 2, str(path), 3.0)
     name = _corrupt(path, how)
@@ -81,7 +82,8 @@ def test_damaged_shard_is_refused_on_every_rank_before_copying(tmp_path, how: st
         run_threads(_load, 2, str(path))
     failure = e.value.cause
     assert isinstance(failure, dcp.CheckpointException), e.value
-    assert list(failure.failures) == [1] and message in failure.failures[1] and name in failure.failures[1]
+    assert (list(failure.failures) == [1] and message in failure.failures[1]
+            and name in failure.failures[1])
     if how == "flip":
         assert "tensor 'w'" in failure.failures[1]
 
@@ -140,15 +142,18 @@ def test_rank_killed_during_save_leaves_previous_checkpoint(tmp_path) -> None:
     W_ = 2
     assert all(r.ok for r in run_world(W_, W.save, path, 1.0, timeout=60))
     seed = random.randrange(1 << 30)
-    after = random.Random(seed).randrange(0, 130_000)         # a shard is 128-145 KB: header, middle or end
+    # a shard is 128-145 KB: header, middle or end
+    after = random.Random(seed).randrange(0, 130_000)
     results = run_world(W_, W.save, path, 2.0, timeout=60, op_timeout=5.0,
                         env={"RINGLET_CKPT_FAULT": f"rank=1;after_bytes={after};do=sigkill"})
     assert results[1].exitcode == -9, (seed, results[1])
     assert not results[0].ok and results[0].elapsed < 20, (seed, results[0])
-    assert "rank 1" in results[0].message or "peer" in results[0].message.lower(), (seed, results[0].message)
+    assert ("rank 1" in results[0].message
+            or "peer" in results[0].message.lower()), (seed, results[0].message)
     loaded = run_world(W_, W.load_values, path, timeout=60)
     assert [r.value for r in loaded] == [[1.0, 1]] * 2, (seed, [r.message for r in loaded])
-    assert all(r.ok for r in run_world(W_, W.save, path, 3.0, timeout=60))    # the next save cleans up
+    # the next save cleans up
+    assert all(r.ok for r in run_world(W_, W.save, path, 3.0, timeout=60))
     assert len([p for p in os.listdir(path) if p.endswith(".safetensors")]) == 2
 
 
@@ -158,7 +163,8 @@ def test_async_save_over_processes_and_a_rank_killed_during_it(tmp_path) -> None
     results = run_world(2, W.async_save, path, 2.0, 5000, timeout=60, op_timeout=3.0)
     assert results[1].exitcode == -9, results[1]
     status, elapsed, message = results[0].value
-    assert status == "failed" and elapsed < 3.0 + 3.0 and "did not report" in message, results[0].value
+    assert (status == "failed" and elapsed < 3.0 + 3.0
+            and "did not report" in message), (results[0].value)
     assert [r.value for r in run_world(2, W.load_values, path, timeout=60)] == [[1.0, 1]] * 2
 
 
@@ -172,7 +178,8 @@ def test_a_failing_rank_fails_the_save_everywhere_and_commits_nothing(tmp_path) 
     run_threads(_save, 2, path, 1.0)
     with pytest.raises(RankFailure) as e:
         run_threads(_save_raising, 2, path)
-    assert isinstance(e.value.cause, dcp.CheckpointException) and list(e.value.cause.failures) == [1]
+    assert (isinstance(e.value.cause, dcp.CheckpointException)
+            and list(e.value.cause.failures) == [1])
     assert "never pickle" in str(e.value)
     assert run_threads(_load, 2, path)[0][:2] == (1.0, 1.0)
 
@@ -199,7 +206,8 @@ run_threads(W.save, 2, path, 1.0)            # fits in the tiny disk
 try:
     run_threads(W.big_save, 2, path)         # does not
 except RankFailure as e:
-    print("FAILED", type(e.cause).__name__, sorted(e.cause.failures), str(e.cause).replace("\\n", " | "))
+    print("FAILED", type(e.cause).__name__, sorted(e.cause.failures),
+          str(e.cause).replace("\\n", " | "))
 print("LOADED", run_threads(W.load_values, 2, path))
 """
 
@@ -210,14 +218,17 @@ def test_full_disk_fails_cleanly_and_keeps_the_previous_checkpoint(tmp_path) -> 
     disk = tmp_path / "disk"
     disk.mkdir()
     script = tmp_path / "full.py"
-    script.write_text(textwrap.dedent(FULL_DISK.format(tests=str(REPO / "tests"), path=str(disk / "ck"))))
+    script.write_text(textwrap.dedent(FULL_DISK.format(tests=str(REPO / "tests"),
+                                                       path=str(disk / "ck"))))
     probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {disk}"],
                            capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
         pytest.skip(f"private mounts are not permitted here: {probe.stderr.strip()}")
     cmd = f"mount -t tmpfs -o size=1m tmpfs {disk} && exec {sys.executable} {script}"
-    out = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True,
+                         text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     failed = next(line for line in out.stdout.splitlines() if line.startswith("FAILED"))
-    assert "CheckpointException" in failed and "errno 28" in failed and "No space left" in failed, failed
+    assert ("CheckpointException" in failed and "errno 28" in failed
+            and "No space left" in failed), failed
     assert "LOADED [[1.0, 1], [1.0, 1]]" in out.stdout, out.stdout

@@ -71,10 +71,12 @@ def _build(kind: str, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     elif kind == "fsdp":
         fully_shard(net.fc1)
         fully_shard(net)
-    elif kind == "tp_api":                  # ringlet's tensor parallelism: fc1 column-wise, fc2 row-wise
+    # ringlet's tensor parallelism: fc1 column-wise, fc2 row-wise
+    elif kind == "tp_api":
         parallelize_module(net, init_device_mesh("cpu", (world,)), {"fc1": ColwiseParallel(),
                                                                      "fc2": RowwiseParallel()})
-    elif kind == "tp":                      # hand-made TP: fc1 column-wise, fc2 row-wise DTensor parameters
+    # hand-made TP: fc1 column-wise, fc2 row-wise DTensor parameters
+    elif kind == "tp":
         mesh = init_device_mesh("cpu", (world,))
         for mod, dim in ((net.fc1, 0), (net.fc2, 1)):
             mod.weight = nn.Parameter(distribute_tensor(mod.weight.detach(), mesh, [Shard(dim)]))
@@ -103,8 +105,10 @@ def _same(kind: str, world: int, path: str) -> bool:
     ref_state = ref_opt.state_dict()["state"]
     for i, name in enumerate(["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]):
         for key in ("step", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(_full(full["state"][name][key]), ref_state[i][key]), (kind, name, key)
-    assert full["param_groups"][0]["lr"] == 0.01 and full["param_groups"][0]["betas"] == (0.9, 0.999)
+            assert (torch.equal(_full(full["state"][name][key]),
+                                ref_state[i][key])), (kind, name, key)
+    assert (full["param_groups"][0]["lr"] == 0.01
+            and full["param_groups"][0]["betas"] == (0.9, 0.999))
     return True
 
 
@@ -112,7 +116,8 @@ def _save_from(rank: int, world: int, kind: str, path: str) -> None:
     net, opt = _build(kind, world)
     ref, ref_opt = _reference()
     set_model_state_dict(net, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
-    set_optimizer_state_dict(net, opt, _fqn_optim(ref_opt), options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(net, opt, _fqn_optim(ref_opt),
+                             options=StateDictOptions(full_state_dict=True))
     msd, osd = get_state_dict(net, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
 
@@ -121,15 +126,18 @@ def _fqn_optim(opt: torch.optim.Optimizer) -> dict:
     osd = opt.state_dict()
     names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     return {"state": {names[i]: s for i, s in osd["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                             for g in osd["param_groups"]]}
 
 
 def _load_as(rank: int, world: int, kind: str, path: str) -> bool:
     return _same(kind, world, path)
 
 
-@pytest.mark.parametrize(("src", "n"), [("ddp", 2), ("fsdp", 2), ("tp", 2), ("fsdp", 3), ("tp_api", 2)])
-def test_model_and_optimizer_move_between_strategies_and_world_sizes(tmp_path, src: str, n: int) -> None:
+@pytest.mark.parametrize(("src", "n"),
+                         [("ddp", 2), ("fsdp", 2), ("tp", 2), ("fsdp", 3), ("tp_api", 2)])
+def test_model_and_optimizer_move_between_strategies_and_world_sizes(tmp_path, src: str,
+                                                                     n: int) -> None:
     path = str(tmp_path / "ck")
     run_threads(_save_from, n, src, path)
     for dst, m in (("ddp", 2), ("fsdp", 3), ("tp", 2), ("plain", 1), ("fsdp", 2), ("tp_api", 3)):
@@ -146,7 +154,8 @@ def test_ddp_keys_are_clean_and_replicated_state_is_written_once(tmp_path) -> No
     assert keys == ["count", "fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
     meta = dcp.FileSystemReader(str(tmp_path / "ck")).read_metadata()
     assert all(len(t.chunks) == 1 for t in meta.tensors.values())
-    assert len(meta.files) == 2          # the replicated tensors are spread over both ranks, each once
+    # the replicated tensors are spread over both ranks, each once
+    assert len(meta.files) == 2
 
 
 def _fsdp2_example(rank: int, world: int, path: str) -> bool:
@@ -156,7 +165,8 @@ def _fsdp2_example(rank: int, world: int, path: str) -> bool:
     set_model_state_dict(net, ref.state_dict() if rank == 0 else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     set_optimizer_state_dict(net, opt, _fqn_optim(ref_opt) if rank == 0 else {},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+                             options=StateDictOptions(full_state_dict=True,
+                                                      broadcast_from_rank0=True))
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd = get_model_state_dict(net, options=opts)
     osd = get_optimizer_state_dict(net, opt, options=opts)
@@ -226,8 +236,8 @@ def test_no_process_group_and_unsupported_options(tmp_path) -> None:
         warnings.simplefilter("error")
         dcp.load(state, checkpoint_id=tmp_path / "ck")
     set_state_dict(net2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), net2.state_dict().values(),
-                                                 strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(),
+                                                 net2.state_dict().values(), strict=True))
     assert opt2.param_groups[0]["lr"] == 0.01
     with pytest.raises(ValueError, match="broadcast_from_rank0=True expects full_state_dict=True"):
         StateDictOptions(broadcast_from_rank0=True)

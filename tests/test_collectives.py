@@ -85,7 +85,9 @@ def test_bad_local_arguments_raise_before_sending_and_group_stays_usable() -> No
             (ValueError, lambda: dist.broadcast(torch.ones(2), src=5)),
             (ValueError, lambda: dist.broadcast(torch.ones(2), src=-1)),
             (ValueError, lambda: dist.all_gather([torch.ones(2)], torch.ones(2))),
-            (TypeError, lambda: dist.all_gather([torch.ones(2), torch.ones(2, dtype=torch.int64)], torch.ones(2))),
+            (TypeError,
+             lambda: dist.all_gather([torch.ones(2), torch.ones(2, dtype=torch.int64)],
+                                     torch.ones(2))),
             (ValueError, lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2))),
             (ValueError, lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(3))),
             (TypeError, lambda: dist.all_reduce([1, 2])),
@@ -170,7 +172,8 @@ def test_object_size_announced_by_a_peer_is_capped_before_allocating() -> None:
             return str(e)
         return "accepted"
     msg = run_threads(body, 2)[0]
-    assert "announced an object of 1099511627776 bytes" in msg and "refused before allocating" in msg
+    assert ("announced an object of 1099511627776 bytes" in msg
+            and "refused before allocating" in msg)
 
 
 def test_object_from_another_runtime_version_is_named() -> None:

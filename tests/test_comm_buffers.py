@@ -124,7 +124,8 @@ def test_in_place_parity_mixed_and_reuse_on_processes(n: int) -> None:
     assert raise_first(run_world(n, bw.parity, timeout=90)) == [10] * n
     assert raise_first(run_world(n, bw.mixed, timeout=90)) == [2 ** n] * n
     if n == 2:
-        assert raise_first(run_world(n, bw.reuse, timeout=90)) == [{"live": 0, "quarantined": 0}] * n
+        assert (raise_first(run_world(n, bw.reuse, timeout=90))
+                == [{"live": 0, "quarantined": 0}] * n)
 
 
 @pytest.mark.timeout(60)
@@ -153,7 +154,8 @@ def test_a_peer_failing_inside_an_in_place_op_fails_the_others_fast(how: str) ->
 def test_without_a_heap_comm_buffer_is_an_ordinary_tensor() -> None:
     env = {"RINGLET_SHM_BUFFER_BYTES": "0"}
     assert raise_first(run_world(2, bw.tcp_gives_plain, env=env, timeout=40)) == [False, False]
-    assert raise_first(run_world(2, bw.tcp_gives_plain, backend="tcp", timeout=40)) == [False, False]
+    assert (raise_first(run_world(2, bw.tcp_gives_plain, backend="tcp", timeout=40))
+            == [False, False])
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -166,13 +168,15 @@ def test_bad_arguments_are_refused() -> None:
     run_threads(body, 2, timeout=30)
 
 
-# -- DDP keeps its buckets in shared memory ---------------------------------------------------------
+# -- DDP keeps its buckets in shared memory
+# ---------------------------------------------------------
 @pytest.mark.parametrize("as_view", [True, False])
 def test_ddp_buckets_in_shared_memory_match_the_reference_on_threads(as_view: bool) -> None:
     for got in run_threads(bw.ddp_parity, 2, as_view, timeout=120):
         assert got["param"] < 1e-12, got
         # Without bucket views a solo bucket reduces .grad itself (no copy in or out).
-        assert True in got["solo"] and all(shared for shared, solo in zip(got["shared"], got["solo"])
+        assert True in got["solo"] and all(shared
+                                           for shared, solo in zip(got["shared"], got["solo"])
                                            if as_view or not solo), got
 
 

@@ -92,10 +92,12 @@ def _subgroup(rank: int, world_size: int) -> Any:
 @pytest.mark.timeout(30)
 def test_allreduce_hook_on_a_subgroup() -> None:
     out = run_threads(_subgroup, 3)
-    assert out[1] is None and torch.equal(out[0], torch.ones(4)) and torch.equal(out[2], torch.ones(4))
+    assert (out[1] is None and torch.equal(out[0], torch.ones(4))
+            and torch.equal(out[2], torch.ones(4)))
 
 
-def _compressed(rank: int, world_size: int, which: str) -> tuple[torch.Tensor, torch.dtype, torch.dtype]:
+def _compressed(rank: int, world_size: int,
+                which: str) -> tuple[torch.Tensor, torch.dtype, torch.dtype]:
     bucket = FakeBucket(_grads(rank, [(6, 5), (7,)], seed=1))
     hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook,
              "fp16_wrap": default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook),
@@ -111,12 +113,14 @@ def test_low_precision_hooks(which: str) -> None:
     dtype = torch.float16 if which.startswith("fp16") else torch.bfloat16
     shapes = [(6, 5), (7,)]
     flats = [torch.cat([t.reshape(-1) for t in _grads(r, shapes, seed=1)]) for r in range(n)]
-    # The definition: cast, divide by the group size, sum in rank order, all in the low-precision dtype.
+    # The definition: cast, divide by the group size, sum in rank order, all in the low-precision
+    # dtype.
     ref = flats[0].to(dtype).div_(n)
     for f in flats[1:]:
         ref = ref + f.to(dtype).div_(n)
     exact = torch.stack(flats).mean(0)
-    unit = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7     # relative precision of the format
+    # relative precision of the format
+    unit = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7
     for res, res_dtype, buf_dtype in run_threads(_compressed, n, which):
         assert res_dtype == torch.float32 and buf_dtype == torch.float32
         torch.testing.assert_close(res, ref.float(), rtol=0, atol=0)
@@ -125,7 +129,8 @@ def test_low_precision_hooks(which: str) -> None:
 
 
 # -- PowerSGD ------------------------------------------------------------------------------------
-LOW_RANK_SHAPES = [(16, 12), (12,), (3, 4), (8, 4, 5)]    # compressed, vector, too small, 3-d compressed
+# compressed, vector, too small, 3-d compressed
+LOW_RANK_SHAPES = [(16, 12), (12,), (3, 4), (8, 4, 5)]
 
 
 def _low_rank(rank: int, r: int) -> list[torch.Tensor]:
@@ -146,7 +151,8 @@ def _low_rank(rank: int, r: int) -> list[torch.Tensor]:
 def _run_powersgd(rank: int, world_size: int, iters: int, r: int, kwargs: dict[str, Any],
                   wrap: bool = False) -> list[dict[str, Any]]:
     state = PowerSGDState(None, matrix_approximation_rank=r, **kwargs)
-    hook = default_hooks.fp16_compress_wrapper(powerSGD_hook.powerSGD_hook) if wrap else powerSGD_hook.powerSGD_hook
+    hook = (default_hooks.fp16_compress_wrapper(powerSGD_hook.powerSGD_hook) if wrap
+            else powerSGD_hook.powerSGD_hook)
     pg = dist.group.WORLD
     log = []
     for _ in range(iters):
@@ -161,7 +167,8 @@ def _run_powersgd(rank: int, world_size: int, iters: int, r: int, kwargs: dict[s
 
 
 def _low_rank_average(n: int, r: int) -> torch.Tensor:
-    return torch.stack([torch.cat([t.reshape(-1) for t in _low_rank(k, r)]) for k in range(n)]).mean(0)
+    return (torch.stack([torch.cat([t.reshape(-1) for t in _low_rank(k, r)])
+                         for k in range(n)]).mean(0))
 
 
 @pytest.mark.timeout(60)
@@ -234,8 +241,10 @@ def test_powersgd_error_feedback_accumulates_the_residual() -> None:
         for out in r["outs"]:
             matrix = out[:80].view(10, 8)
             assert torch.linalg.matrix_rank(matrix).item() == 1          # a rank-1 approximation
-            torch.testing.assert_close(out[80:], avg[80:], rtol=1e-5, atol=1e-5)   # the vector: exact
-        assert not torch.allclose(r["outs"][0][:80], avg[:80], atol=1e-3)  # a full-rank gradient is compressed
+            # the vector: exact
+            torch.testing.assert_close(out[80:], avg[80:], rtol=1e-5, atol=1e-5)
+        # a full-rank gradient is compressed
+        assert not torch.allclose(r["outs"][0][:80], avg[:80], atol=1e-3)
 
 
 def _empty_and_bad(rank: int, world_size: int) -> None:
@@ -244,7 +253,8 @@ def _empty_and_bad(rank: int, world_size: int) -> None:
     assert powerSGD_hook.powerSGD_hook(state, FakeBucket([])).wait().numel() == 0
     bucket = FakeBucket([torch.ones(4, 4)])
     bucket.set_buffer(torch.ones(20))
-    with pytest.raises(ValueError, match="expected the bucket's gradients to fill its buffer of 20"):
+    with pytest.raises(ValueError,
+                       match="expected the bucket's gradients to fill its buffer of 20"):
         powerSGD_hook.powerSGD_hook(state, bucket)
 
 
@@ -327,7 +337,8 @@ def test_hooks_registered_on_ringlet_ddp(which: str) -> None:
         if which == "powerSGD" and step >= 2:
             weight = out[0][step][0]                          # Linear(8, 16).weight: compressed
             assert torch.linalg.matrix_rank(weight).item() == 1
-            torch.testing.assert_close(out[0][step][1], expected[1], rtol=1e-5, atol=1e-5)   # bias: exact
+            # bias: exact
+            torch.testing.assert_close(out[0][step][1], expected[1], rtol=1e-5, atol=1e-5)
             continue
         for a, b in zip(out[0][step], expected):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, b.abs().max().item()))

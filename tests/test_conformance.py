@@ -35,9 +35,11 @@ def test_torchs_distributed_suite_passes_on_ringlet() -> None:
     pytest.importorskip("expecttest")          # torch's test helpers need it (dev extra)
     expected = len(_ci_tests())
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--impl", "ringlet", "--ci", "--timeout", "60"],
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--impl", "ringlet", "--ci",
+                           "--timeout", "60"],
                           capture_output=True, text=True, timeout=220, env=env, cwd=ROOT)
     out = proc.stdout + proc.stderr
     summary = [ln for ln in out.splitlines() if " passed, " in ln]
     assert proc.returncode == 0, out[-4000:]
-    assert summary and summary[-1].startswith(f"{expected} passed, 0 failed, 0 skipped"), out[-4000:]
+    assert (summary
+            and summary[-1].startswith(f"{expected} passed, 0 failed, 0 skipped")), (out[-4000:])

@@ -1,4 +1,5 @@
-"""DDP parity with single-process training on the global batch, under each option (ranks as threads)."""
+"""DDP parity with single-process training on the global batch, under each option (ranks as
+threads)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from ringlet.testing import run_threads
 TOL = 1e-9          # float64 models: differences come from summation order only
 
 
-def _run(model: str, loss: str, ddp_kw: dict[str, Any], world_size: int = 2, **kw: Any) -> list[dict[str, Any]]:
+def _run(model: str, loss: str, ddp_kw: dict[str, Any], world_size: int = 2,
+         **kw: Any) -> list[dict[str, Any]]:
     return run_threads(W.parity, world_size, model, loss, ddp_kw, **kw)
 
 
@@ -46,8 +48,10 @@ def test_mlp_parity(ddp_kw: dict[str, Any]) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("view", [False, True])
 def test_non_contiguous_parameter(view: bool) -> None:
-    # the transposed weight is big enough for a solo bucket, but its gradient cannot be reduced in place
-    _assert_parity(_run("strided", "mlp", {"bucket_cap_mb": SMALL, "gradient_as_bucket_view": view}))
+    # the transposed weight is big enough for a solo bucket, but its gradient cannot be reduced in
+    # place
+    _assert_parity(_run("strided", "mlp",
+                        {"bucket_cap_mb": SMALL, "gradient_as_bucket_view": view}))
 
 
 @pytest.mark.timeout(60)
@@ -56,10 +60,12 @@ def test_solo_buckets_reduce_gradients_in_place() -> None:
         ddp = W.DDP(W.mlp(), bucket_cap_mb=SMALL)
         ptrs: dict[int, int] = {}
         for i, p in enumerate(ddp.module.parameters()):
-            p.register_post_accumulate_grad_hook(lambda q, i=i: ptrs.__setitem__(i, q.grad.data_ptr()))
+            p.register_post_accumulate_grad_hook(
+                lambda q, i=i: ptrs.__setitem__(i, q.grad.data_ptr()))
         W.mlp_loss(ddp, rank, 0).backward()
         solo = {b.plan.indices[0] for b in ddp.reducer.layout.buckets if b.plan.solo}
-        return [ptrs[i] == p.grad.data_ptr() for i, p in enumerate(ddp.module.parameters()) if i in solo]
+        return [ptrs[i] == p.grad.data_ptr() for i, p in enumerate(ddp.module.parameters())
+                if i in solo]
     for same in run_threads(body, 2):
         assert same == [True, True, True]    # one-parameter buckets: .grad itself was all-reduced
 
@@ -71,7 +77,8 @@ def test_mlp_float32_parity_three_ranks() -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("ddp_kw", [
-    {"bucket_cap_mb": SMALL}, {"bucket_cap_mb": SMALL, "gradient_as_bucket_view": True, "static_graph": True},
+    {"bucket_cap_mb": SMALL},
+    {"bucket_cap_mb": SMALL, "gradient_as_bucket_view": True, "static_graph": True},
 ], ids=["buckets", "view_static"])
 def test_transformer_parity(ddp_kw: dict[str, Any]) -> None:
     _assert_parity(_run("gpt", "gpt", ddp_kw))
@@ -129,7 +136,8 @@ def test_activation_checkpointing(model: str, ddp_kw: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("ddp_kw", [{}, {"broadcast_buffers": True, "find_unused_parameters": True}])
+@pytest.mark.parametrize("ddp_kw",
+                         [{}, {"broadcast_buffers": True, "find_unused_parameters": True}])
 def test_eval_forward_under_no_grad_on_rank0_only(ddp_kw: dict[str, Any]) -> None:
     _assert_parity(_run("bn", "mlp", ddp_kw, eval_every=3))
 
@@ -161,7 +169,8 @@ def _builtin_hook_run(rank: int, n: int, which: str) -> dict[str, Any]:
                                             start_powerSGD_iter=2)
         return W.parity(rank, n, "mlp32", "mlp", {"bucket_cap_mb": SMALL}, steps=6,
                         hook=powerSGD_hook.powerSGD_hook, hook_state=state)
-    hook = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}[which]
+    hook = ({"allreduce": default_hooks.allreduce_hook,
+             "fp16": default_hooks.fp16_compress_hook}[which])
     return W.parity(rank, n, "mlp32", "mlp", {"bucket_cap_mb": SMALL}, steps=6, hook=hook)
 
 

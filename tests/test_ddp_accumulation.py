@@ -49,7 +49,8 @@ def _x(rank: int, micro: int, step: int) -> torch.Tensor:
     return torch.randint(-2, 3, (4, 3), generator=g).double()
 
 
-def _train(rank: int, n: int, plan: str, micro: int, steps: int, kw: dict[str, Any]) -> dict[str, Any]:
+def _train(rank: int, n: int, plan: str, micro: int, steps: int,
+           kw: dict[str, Any]) -> dict[str, Any]:
     which = PLANS[plan]
     net = Conditional()
     ref = copy.deepcopy(net)
@@ -72,7 +73,8 @@ def _train(rank: int, n: int, plan: str, micro: int, steps: int, kw: dict[str, A
                 raise AssertionError(f"rank {rank} step {step}: grad presence differs "
                                      f"(ddp {p.grad is None}, reference {q.grad is None})")
             if p.grad is not None:
-                worst = max(worst, ((p.grad - q.grad).abs().max() / (1 + q.grad.abs().max())).item())
+                worst = max(worst,
+                            ((p.grad - q.grad).abs().max() / (1 + q.grad.abs().max())).item())
         grads_none = [p.grad is None for p in net.parameters()]
         opt.step()
         ref_opt.step()
@@ -94,7 +96,8 @@ def test_no_sync_accumulation_matches_single_process(plan: str, kw: dict[str, An
         pytest.skip("static_graph promises the same graph every iteration")
     res = run_threads(_train, 2, plan, 2, 3, kw)
     for r, out in enumerate(res):
-        assert out["worst"] < 1e-12, f"rank {r}: gradients differ from the reference by {out['worst']}"
+        assert out["worst"] < 1e-12, (f"rank {r}: gradients differ from the reference by "
+                                      f"{out['worst']}")
     assert torch.equal(res[0]["params"], res[1]["params"]), "ranks diverged"
 
 

@@ -33,8 +33,8 @@ def test_different_models_fail_on_every_rank_naming_the_difference() -> None:
     msgs = run_threads(body, 2)
     for m in msgs:
         assert m.startswith("RuntimeError: DistributedDataParallel"), m
-        assert "rank 1: first difference at entry 0: parameter '0.weight' [10, 6] float64, rank 0 has " \
-               "parameter '0.weight' [12, 6] float64" in m, m
+        assert ("rank 1: first difference at entry 0: parameter '0.weight' [10, 6] float64, "
+                "rank 0 has parameter '0.weight' [12, 6] float64" in m), m
 
     def extra(rank: int, n: int) -> str:
         model = W.mlp()
@@ -42,8 +42,8 @@ def test_different_models_fail_on_every_rank_naming_the_difference() -> None:
             model.append(nn.Linear(3, 3).double())
         return _message(lambda: DDP(model))
     msgs = run_threads(extra, 3)
-    assert all("rank 2: 8 parameters vs 6; first difference at entry 6: parameter '5.weight' [3, 3] " \
-               "float64, rank 0 has nothing" in m for m in msgs), msgs
+    assert all("rank 2: 8 parameters vs 6; first difference at entry 6: parameter '5.weight' [3, "
+               "3] float64, rank 0 has nothing" in m for m in msgs), msgs
 
 
 @pytest.mark.timeout(30)
@@ -71,14 +71,16 @@ def test_unused_parameter_without_find_unused_is_a_clear_error(rank_dependent: b
         return msgs
     for rank, msgs in enumerate(run_threads(body, 2)):
         for it, m in enumerate(msgs, 1):
-            assert m.startswith(f"RuntimeError: DistributedDataParallel (rank {rank}): expected every "
-                                f"parameter that requires grad to receive a gradient in iteration {it}"), m
+            assert m.startswith(f"RuntimeError: DistributedDataParallel (rank {rank}): expected "
+                                "every parameter that requires grad to receive a gradient in "
+                                f"iteration {it}"), m
             assert "find_unused_parameters=True" in m
             if rank_dependent:
                 assert "rank 0: 'b.weight', 'b.bias', 'never.weight', 'never.bias'" in m, m
                 assert "rank 1: 'a.weight', 'a.bias', 'never.weight', 'never.bias'" in m, m
             else:
-                assert "rank 0: 'b.weight', 'b.bias', 'never.weight', 'never.bias'; rank 1: 'b.weight'" in m, m
+                assert ("rank 0: 'b.weight', 'b.bias', 'never.weight', 'never.bias'; rank 1: "
+                        "'b.weight'" in m), m
 
 
 @pytest.mark.timeout(30)
@@ -114,7 +116,8 @@ def test_no_sync_accumulates_then_syncs(view: bool) -> None:
         W.mlp_loss(ddp, rank, 2).backward()
         for micro in range(3):
             (sum(W.mlp_loss(ref, r, micro) for r in range(n)) / n).backward()
-        diff = max((p.grad - q.grad).abs().max().item() for p, q in zip(net.parameters(), ref.parameters()))
+        diff = max((p.grad - q.grad).abs().max().item()
+                   for p, q in zip(net.parameters(), ref.parameters()))
         return {"diff": diff, "counts": no_sync_counts}
     for res in run_threads(body, 2):
         assert res["diff"] < 1e-12
@@ -132,12 +135,14 @@ def test_comm_hook_sees_grad_buckets_with_local_gradients() -> None:
         def hook(state: Any, bucket: GradBucket) -> torch.futures.Future:
             grads = [g.clone() for g in bucket.gradients()]
             mine = [p.grad for p in local.parameters()]
-            ids = [next(k for k, p in enumerate(net.parameters()) if p is q) for q in bucket.parameters()]
+            ids = [next(k for k, p in enumerate(net.parameters()) if p is q)
+                   for q in bucket.parameters()]
             seen.append({"index": bucket.index(), "last": bucket.is_last(), "ids": ids,
                          "match": all(torch.equal(g, mine[i]) for g, i in zip(grads, ids)),
                          "flat": bucket.buffer().numel() == sum(g.numel() for g in grads)})
             state["calls"] += 1
-            return dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.AVG, async_op=True).get_future()
+            return (dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.AVG,
+                                    async_op=True).get_future())
 
         ddp = DDP(net, bucket_cap_mb=0.0005)
         state = {"calls": 0}
@@ -197,7 +202,8 @@ def test_module_api_like_torch() -> None:
         out["getattr"] = _message(lambda: ddp.no_such_thing)
         out["device_ids"] = _message(lambda: DDP(W.mlp(), device_ids=[0]))
         out["mp"] = _message(lambda: DDP(W.mlp(), mixed_precision=object()))
-        out["both"] = _message(lambda: DDP(W.mlp(), process_group=dist.group.WORLD, device_mesh=Mesh()))
+        out["both"] = _message(lambda: DDP(W.mlp(), process_group=dist.group.WORLD,
+                                           device_mesh=Mesh()))
         out["frozen"] = _message(lambda: DDP(W.mlp().requires_grad_(False)))
         out["cap"] = _message(lambda: DDP(W.mlp(), bucket_cap_mb=-1))
         return out
@@ -206,8 +212,8 @@ def test_module_api_like_torch() -> None:
     assert res["getattr"].startswith("AttributeError")
     assert res["device_ids"].startswith("ValueError: DistributedDataParallel: device_ids")
     assert res["mp"].startswith("NotImplementedError: DistributedDataParallel: mixed_precision")
-    assert res["both"] == ("ValueError: DistributedDataParallel: Cannot specify both process_group and device_mesh "
-                          "arguments (expected one of them, got both)")
+    assert res["both"] == ("ValueError: DistributedDataParallel: Cannot specify both process_group "
+                           "and device_mesh arguments (expected one of them, got both)")
     assert res["frozen"].startswith("RuntimeError: DistributedDataParallel is not needed")
     assert "expected bucket_cap_mb >= 0" in res["cap"]
 
@@ -224,7 +230,8 @@ def test_public_mirror_paths() -> None:
 
 
 class Reused(nn.Module):
-    """One layer applied in two reentrant checkpoints: its gradient hook fires twice per backward."""
+    """One layer applied in two reentrant checkpoints: its gradient hook fires twice per
+    backward."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -249,7 +256,8 @@ def test_parameter_reused_in_reentrant_checkpoints_needs_static_graph() -> None:
             if msg != "no error":
                 return msg
             (sum(ref(W.data(r, step, (4, 6))).square().mean() for r in range(n)) / n).backward()
-        return max((p.grad - q.grad).abs().max().item() for p, q in zip(net.parameters(), ref.parameters()))
+        return max((p.grad - q.grad).abs().max().item()
+                   for p, q in zip(net.parameters(), ref.parameters()))
     for diff in run_threads(body, 2, True):
         assert diff < 1e-9
     for msg in run_threads(body, 2, False):
@@ -270,7 +278,8 @@ def test_forward_without_backward_then_no_sync_does_not_reduce() -> None:
         W.mlp_loss(ddp, rank, 2).backward()
         for step in (1, 2):
             (sum(W.mlp_loss(ref, r, step) for r in range(n)) / n).backward()
-        diff = max((p.grad - q.grad).abs().max().item() for p, q in zip(net.parameters(), ref.parameters()))
+        diff = max((p.grad - q.grad).abs().max().item()
+                   for p, q in zip(net.parameters(), ref.parameters()))
         return {"counts": counts, "diff": diff}
     for res in run_threads(body, 2):
         assert res["counts"] == {} and res["diff"] < 1e-12, res
@@ -283,7 +292,8 @@ def test_ignored_parameters_are_neither_broadcast_nor_reduced() -> None:
         DDP._set_params_and_buffers_to_ignore_for_model(net, ["4.weight", "4.bias"])
         ddp = DDP(net)
         W.mlp_loss(ddp, rank, 0).backward()
-        return [net[4].weight.sum().item(), net[4].weight.grad.sum().item(), net[0].weight.sum().item()]
+        return [net[4].weight.sum().item(), net[4].weight.grad.sum().item(),
+                net[0].weight.sum().item()]
     a, b = run_threads(body, 2)
     assert a[0] != b[0] and a[1] != b[1]               # ignored: own values, own gradient
     assert a[2] == b[2]                                 # the rest came from rank 0

@@ -58,7 +58,8 @@ def test_large_parameters_get_solo_buckets_in_ready_order() -> None:
                         first_cap_bytes=10_000, solo_bytes=400)
     assert [b.indices for b in plan] == [(4,), (3, 2), (1,), (0,)]
     assert [b.solo for b in plan] == [True, False, True, True]
-    default = plan_buckets([MIB // 4, 100, 100], [F32] * 3, [0, 1, 2], cap_bytes=cap_bytes_from_mb(25))
+    default = plan_buckets([MIB // 4, 100, 100], [F32] * 3, [0, 1, 2],
+                           cap_bytes=cap_bytes_from_mb(25))
     assert [b.indices for b in default] == [(0,), (1, 2)]          # 1 MiB: solo by default
     plan0 = plan_buckets([5, 1000, 5], [F32] * 3, [0, 2, 1], cap_bytes=0)
     assert [b.indices for b in plan0] == [(0,), (2,), (1,)]
@@ -67,7 +68,8 @@ def test_large_parameters_get_solo_buckets_in_ready_order() -> None:
 @pytest.mark.timeout(10)
 def test_observed_order_is_followed_and_completed() -> None:
     assert complete_order([1, 3], 4) == [1, 3, 2, 0]
-    plan = plan_buckets([1] * 4, [F32] * 4, complete_order([0, 1], 4), cap_bytes=8, first_cap_bytes=8)
+    plan = plan_buckets([1] * 4, [F32] * 4, complete_order([0, 1], 4), cap_bytes=8,
+                        first_cap_bytes=8)
     assert [b.indices for b in plan] == [(0, 1), (3, 2)]
 
 
@@ -83,7 +85,8 @@ def test_bad_orders_and_caps_raise() -> None:
         complete_order([5], 3)
     with pytest.raises(ValueError, match="bucket_cap_mb >= 0"):
         cap_bytes_from_mb(-1)
-    assert repr(plan_buckets([2], [F32], [0], cap_bytes=8)[0]) == "BucketPlan(float32, params [0], 8 B)"
+    assert (repr(plan_buckets([2], [F32], [0], cap_bytes=8)[0])
+            == "BucketPlan(float32, params [0], 8 B)")
 
 
 @pytest.mark.timeout(10)
@@ -111,4 +114,5 @@ def test_model_description_differences() -> None:
     assert first_difference(b, a) == ("first difference at entry 0: parameter 'w' [4, 8] float32, "
                                       "rank 0 has parameter 'w' [4, 4] float32")
     c = a[:1] + a[2:]
-    assert first_difference(c, a).startswith("1 parameters vs 2; first difference at entry 1: buffer 'rm'")
+    assert first_difference(c, a).startswith("1 parameters vs 2; first difference at entry 1: "
+                                             "buffer 'rm'")

@@ -29,7 +29,8 @@ def test_join_matches_reference(divide_initial: bool, ddp_kw: dict[str, Any]) ->
 
 @pytest.mark.timeout(60)
 def test_join_three_ranks_with_buffers_and_rank0_out_first() -> None:
-    counts = [1, 4, 2]      # rank 0 joins after one batch: buffers and bucket order come from rank 1
+    # rank 0 joins after one batch: buffers and bucket order come from rank 1
+    counts = [1, 4, 2]
     results = run_threads(W.join_train, 3, counts, True, "bn", {"bucket_cap_mb": 0.0005})
     ref = W.join_reference(3, counts, True, "bn")
     for params in results:

@@ -34,6 +34,7 @@ def test_bucket_all_reduce_overlaps_backward(suite: list[dict[str, Any]]) -> Non
     for res in suite:
         ov = res["overlap"]
         assert ov["buckets"] == [[5], [4], [3], [2], [1, 0]], ov  # 256 KiB weights: solo buckets
-        assert ov["launched"] == [True] * 4 + [False], ov          # launched as soon as ready, in order
+        # launched as soon as ready, in order
+        assert ov["launched"] == [True] * 4 + [False], ov
         assert ov["bucket0_done_inside_backward"], ov              # and finished while backward ran
         assert ov["done_in_backward"] >= ov["bucket0_bytes"], ov   # as the reducer's stats say

@@ -1,4 +1,5 @@
-"""DeviceMesh: groups per axis, slicing, flattening, identity -- on 4 rank threads and 2 processes."""
+"""DeviceMesh: groups per axis, slicing, flattening, identity -- on 4 rank threads and 2
+processes."""
 
 from __future__ import annotations
 
@@ -22,16 +23,20 @@ def _mesh_2x2(rank: int, n: int) -> dict:
         "groups": [g.ranks for g in mesh.get_all_groups()], "tp_group": tp.get_group().ranks,
         "by_name": mesh.get_group("tp") is mesh.get_group(1) is tp.get_group(),
         "sizes": (mesh.size(), mesh.size(0), mesh.size("tp"), mesh.ndim, mesh.shape),
-        "rank": mesh.get_rank(), "swapped": repr(mesh["tp", "dp"]), "whole": mesh["dp", "tp"] is mesh,
+        "rank": mesh.get_rank(), "swapped": repr(mesh["tp", "dp"]),
+        "whole": mesh["dp", "tp"] is mesh,
     }
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=tp)                 # a 1-d mesh is accepted wherever a group is
     out["tp_sum"] = t.item()
     out["resolve"] = resolve_group(dp) is dp.get_group()
     flat = mesh._flatten("dp_tp")
-    out["flat"] = (repr(flat), flat.get_local_rank(), mesh["dp_tp"] == flat, flat.get_group() is not None)
+    out["flat"] = (repr(flat), flat.get_local_rank(), mesh["dp_tp"] == flat,
+                   flat.get_group() is not None)
     out["eq"] = (mesh == init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
-                 hash(tp) == hash(DeviceMesh("cpu", tp.mesh.tolist(), mesh_dim_names=("tp",), _init_backend=False)),
+                 hash(tp)
+                 == hash(DeviceMesh("cpu", tp.mesh.tolist(), mesh_dim_names=("tp",),
+                                    _init_backend=False)),
                  tp != dp, mesh != init_device_mesh("cpu", (2, 2)))
     with pytest.raises(ValueError, match="expected an axis"):
         mesh.get_group()
@@ -52,18 +57,21 @@ def test_mesh_2x2_on_threads() -> None:
                                       "DeviceMesh(cpu, [1, 3], names=('dp',))"] * 2
     assert [r["coord"] for r in res] == [[0, 0], [0, 1], [1, 0], [1, 1]]
     assert [r["local"] for r in res] == [(0, 0, 0), (0, 1, 1), (1, 0, 0), (1, 1, 1)]
-    assert [r["groups"] for r in res] == [[[0, 2], [0, 1]], [[1, 3], [0, 1]], [[0, 2], [2, 3]], [[1, 3], [2, 3]]]
+    assert [r["groups"] for r in res] == [[[0, 2], [0, 1]], [[1, 3], [0, 1]], [[0, 2], [2, 3]],
+                                          [[1, 3], [2, 3]]]
     assert [r["tp_sum"] for r in res] == [1.0, 1.0, 5.0, 5.0]
     for r in res:
         assert r["by_name"] and r["resolve"] and r["whole"] and all(r["eq"])
         assert r["sizes"] == (4, 2, 2, 2, (2, 2))
         assert r["swapped"] == "DeviceMesh(cpu, [[0, 2], [1, 3]], names=('tp', 'dp'))"
-        assert r["flat"][0] == "DeviceMesh(cpu, [0, 1, 2, 3], names=('dp_tp',))" and all(r["flat"][2:])
+        assert (r["flat"][0] == "DeviceMesh(cpu, [0, 1, 2, 3], names=('dp_tp',))"
+                and all(r["flat"][2:]))
     assert [r["flat"][1] for r in res] == [0, 1, 2, 3]
 
 
 def _mesh_odd_layouts(rank: int, n: int) -> dict:
-    # Columns first: axis 1 lines are [0, 2] and [1, 3]; a reversed line [1, 0] still orders by coordinate.
+    # Columns first: axis 1 lines are [0, 2] and [1, 3]; a reversed line [1, 0] still orders by
+    # coordinate.
     cols = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("a", "b"))
     rev = DeviceMesh("cpu", [[1, 0], [3, 2]])
     sub = DeviceMesh("cpu", [0, 1])             # ranks 2 and 3 are not in it
@@ -103,7 +111,8 @@ def test_mesh_layouts_subsets_and_errors_on_threads() -> None:
 @pytest.mark.timeout(120)
 def test_mesh_and_dtensor_on_two_processes_against_torch(tmp_path) -> None:
     """shm transport; torch's own DTensor (gloo) is the oracle for uneven shards."""
-    values = raise_first(run_world(2, workers.mesh_and_dtensor_vs_torch, str(tmp_path), timeout=100))
+    values = raise_first(run_world(2, workers.mesh_and_dtensor_vs_torch, str(tmp_path),
+                                   timeout=100))
     for v in values:
         assert v["failures"] == [], v["failures"]
         assert v["checks"] >= 10

@@ -42,7 +42,8 @@ def test_distributed_blocks_run_under_the_launcher(nproc: int, tmp_path) -> None
             if b.runnable and b.distributed and b.nproc == nproc]
     spec = tmp_path / "blocks.json"
     spec.write_text(json.dumps(todo))
-    proc = subprocess.run([sys.executable, "-m", "ringlet.distributed.run", "--nproc-per-node", str(nproc),
+    proc = subprocess.run([sys.executable, "-m", "ringlet.distributed.run",
+                           "--nproc-per-node", str(nproc),
                            str(ROOT / "tests" / "_docs_runner.py"), str(spec)],
                           capture_output=True, text=True, timeout=220, env=ENV, cwd=tmp_path)
     out = proc.stdout + proc.stderr
@@ -60,12 +61,14 @@ def test_console_blocks_run(doc: str, tmp_path) -> None:
             (tmp_path / b.file).write_text(b.code)
     for b in (b for b in page if b.is_console_test):
         for command, expected in b.commands():
-            proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=200,
-                                  env=ENV, cwd=tmp_path)
+            proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                                  timeout=200, env=ENV, cwd=tmp_path)
             out = proc.stdout + proc.stderr
-            assert proc.returncode == 0, f"{b.where}: `{command}` exited {proc.returncode}:\n{out[-6000:]}"
+            assert proc.returncode == 0, (f"{b.where}: `{command}` exited "
+                                          f"{proc.returncode}:\n{out[-6000:]}")
             missing = expected_in_order(expected, out)
-            assert missing is None, f"{b.where}: `{command}` did not print {missing!r}:\n{out[-6000:]}"
+            assert missing is None, (f"{b.where}: `{command}` did not print "
+                                     f"{missing!r}:\n{out[-6000:]}")
 
 
 def test_every_script_block_is_run_by_a_console_block() -> None:

@@ -21,7 +21,8 @@ R, S0, S1 = Replicate(), Shard(0), Shard(1)
 
 
 def _twice(fn):
-    """Run ``fn`` twice: the first call decides through the rule, the second replays the decision."""
+    """Run ``fn`` twice: the first call decides through the rule, the second replays the
+    decision."""
     first, second = fn(), fn()
     return first, second
 
@@ -30,10 +31,12 @@ def _cache(rank: int, n: int) -> dict:
     mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
-    da, db, dr = distribute_tensor(a, mesh, [S0]), distribute_tensor(b, mesh, [S1]), distribute_tensor(b, mesh, [R])
+    da, db, dr = (distribute_tensor(a, mesh, [S0]), distribute_tensor(b, mesh, [S1]),
+                  distribute_tensor(b, mesh, [R]))
     out: dict = {}
     cases = {
-        "add with a move": (lambda: da + db, a + b),                   # db is resharded to S(0) each time
+        # db is resharded to S(0) each time
+        "add with a move": (lambda: da + db, a + b),
         "mm": (lambda: da @ dr.t(), a @ b.t()),
         "kwargs": (lambda: torch.sum(da, dim=1, keepdim=True), a.sum(1, keepdim=True)),
         "cast": (lambda: da.to(torch.float64), a.double()),
@@ -45,14 +48,16 @@ def _cache(rank: int, n: int) -> dict:
     for name, (fn, want) in cases.items():
         first, second = _twice(fn)
         out[name] = (first._spec is second._spec or repr(first) == repr(second),
-                     torch.allclose(second.full_tensor().to(want.dtype), want, atol=1e-6), repr(second))
+                     torch.allclose(second.full_tensor().to(want.dtype), want, atol=1e-6),
+                     repr(second))
     before = len(mesh._op_cache)
     fn = cases["add with a move"][0]
     with CommDebugMode() as comm:
         fn()
     out["replay"] = (len(mesh._op_cache) == before, comm.get_comm_counts())
     c = da.clone()
-    assert c.mul_(2) is c and c.mul_(2) is c                          # in place returns self, both paths
+    # in place returns self, both paths
+    assert c.mul_(2) is c and c.mul_(2) is c
     out["inplace"] = torch.allclose(c.full_tensor(), a * 4)
     # the replicate fallback takes its shapes from each call: nonzero's size depends on the data
     out["nonzero"] = [tuple(torch.nonzero(distribute_tensor(v, mesh, [R])).shape)
@@ -69,7 +74,8 @@ def _cache(rank: int, n: int) -> dict:
 
 def test_cached_decisions_replay_the_rule() -> None:
     r = run_threads(_cache, 2)[0]
-    for name in ("add with a move", "mm", "kwargs", "cast", "list in", "list out", "scalar tensor", "view"):
+    for name in ("add with a move", "mm", "kwargs", "cast", "list in", "list out",
+                 "scalar tensor", "view"):
         same_spec, close, _ = r[name]
         assert same_spec and close, (name, r[name])
     assert r["add with a move"][2] == "DTensor(f32[5@tp,4] S(0))"
@@ -85,18 +91,22 @@ def _factories(rank: int, n: int) -> dict:
         ("ones", lambda pl: dt.ones(5, 3, device_mesh=mesh, placements=pl), torch.ones(5, 3)),
         ("zeros", lambda pl: dt.zeros((5, 3), device_mesh=mesh, placements=pl, dtype=torch.float64),
          torch.zeros(5, 3, dtype=torch.float64)),
-        ("full", lambda pl: dt.full([5, 3], 7.0, device_mesh=mesh, placements=pl), torch.full((5, 3), 7.0)),
-        ("empty", lambda pl: dt.empty(5, 3, device_mesh=mesh, placements=pl).fill_(1.0), torch.ones(5, 3)),
+        ("full", lambda pl: dt.full([5, 3], 7.0, device_mesh=mesh, placements=pl),
+         torch.full((5, 3), 7.0)),
+        ("empty", lambda pl: dt.empty(5, 3, device_mesh=mesh, placements=pl).fill_(1.0),
+         torch.ones(5, 3)),
     ]:
         got = [make(pl) for pl in ([S0], [S1], [R], [Partial()])]
-        out[name] = ([repr(x) for x in got[:2]], all(torch.equal(x.full_tensor(), want) for x in got))
+        out[name] = ([repr(x) for x in got[:2]],
+                     all(torch.equal(x.full_tensor(), want) for x in got))
     return out
 
 
 def test_factories() -> None:
     r = run_threads(_factories, 2)[0]
     assert r["ones"] == (["DTensor(f32[5@tp,3] S(0))", "DTensor(f32[5,3@tp] S(1))"], True)
-    assert r["zeros"][0] == ["DTensor(f64[5@tp,3] S(0))", "DTensor(f64[5,3@tp] S(1))"] and r["zeros"][1]
+    assert (r["zeros"][0] == ["DTensor(f64[5@tp,3] S(0))", "DTensor(f64[5,3@tp] S(1))"]
+            and r["zeros"][1])
     assert r["full"][1] and r["empty"][1]
 
 
@@ -104,7 +114,8 @@ def _random(rank: int, n: int, lock) -> tuple:
     mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
     out = []
     for fn in (dt.rand, dt.randn):
-        with lock:           # rank threads share the default generator: seed and draw one rank at a time
+        # rank threads share the default generator: seed and draw one rank at a time
+        with lock:
             torch.manual_seed(11)
             x = fn(5, 3, device_mesh=mesh, placements=[S0], requires_grad=True)
             torch.manual_seed(11)
@@ -135,8 +146,10 @@ def _grad_placements(rank: int, n: int) -> dict:
 
 def test_from_local_grad_placements() -> None:
     for rank, r in enumerate(run_threads(_grad_placements, 2)):
-        assert r["default"] == ([3.0] * 3, {"all_reduce": 1})          # Partial gradient reduced: 1 + 2
-        assert r["partial"] == ([rank + 1.0] * 3, {})                   # kept partial, no communication
+        # Partial gradient reduced: 1 + 2
+        assert r["default"] == ([3.0] * 3, {"all_reduce": 1})
+        # kept partial, no communication
+        assert r["partial"] == ([rank + 1.0] * 3, {})
 
 
 def _attention(rank: int, n: int) -> dict:
@@ -145,13 +158,16 @@ def _attention(rank: int, n: int) -> dict:
     out = {}
     for dim in (0, 1, 2):              # batch, heads (kept); sequence (gathered first)
         q, k, v = (torch.randn(2, 4, 6, 8, generator=g, requires_grad=True) for _ in range(3))
-        dq, dk, dv = (distribute_tensor(t.detach(), mesh, [Shard(dim)]).requires_grad_() for t in (q, k, v))
+        dq, dk, dv = (distribute_tensor(t.detach(), mesh, [Shard(dim)]).requires_grad_()
+                      for t in (q, k, v))
         o = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
         o.sum().backward()
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-        out[dim] = (repr(o), torch.allclose(o.full_tensor(), F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        out[dim] = (repr(o), torch.allclose(o.full_tensor(),
+                                            F.scaled_dot_product_attention(q, k, v, is_causal=True),
                                             atol=1e-5),
-                    all(torch.allclose(d.grad.full_tensor(), t.grad, atol=1e-5) for d, t in ((dq, q), (dk, k), (dv, v))))
+                    all(torch.allclose(d.grad.full_tensor(), t.grad, atol=1e-5)
+                        for d, t in ((dq, q), (dk, k), (dv, v))))
     x = torch.randn(2, 6, 4, 2, generator=g)
     c = torch.view_as_complex(distribute_tensor(x, mesh, [S1]))
     back = torch.view_as_real(c * c)

@@ -1,4 +1,5 @@
-"""Operators on DTensors: sharding rules checked against the same op on full tensors (rank threads)."""
+"""Operators on DTensors: sharding rules checked against the same op on full tensors (rank
+threads)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def _check(out: dict, name: str, dt: DTensor, want: torch.Tensor, pls: str | Non
     got = dt.full_tensor()
     ok = got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
     placed = "".join(map(repr, dt.placements))
-    out[name] = ok and (pls is None or placed == pls) or f"{placed} {got.tolist()} != {want.tolist()}"
+    out[name] = (ok and (pls is None or placed == pls)
+                 or f"{placed} {got.tolist()} != {want.tolist()}")
 
 
 def _pointwise_and_reductions(rank: int, n: int) -> dict:
@@ -41,7 +43,8 @@ def _pointwise_and_reductions(rank: int, n: int) -> dict:
     tot = a * (n * (n + 1) // 2)
     rb = distribute_tensor(b, mesh, [R])
     with CommDebugMode() as comm:
-        lin = dp * 3 - dp / 2 + rb           # linear: stays Partial (rb is partitioned), no communication
+        # linear: stays Partial (rb is partitioned), no communication
+        lin = dp * 3 - dp / 2 + rb
     out["partial stays"] = comm.get_total_counts() == 0 and repr(lin.placements[0]) == "P(sum)"
     _check(out, "partial linear", lin, tot * 3 - tot / 2 + b, "P(sum)")
     _check(out, "partial nonlinear", torch.exp(dp / 30), torch.exp(tot / 30), "R")
@@ -76,21 +79,28 @@ def _matmul_rules(rank: int, n: int) -> dict:
     mesh = init_device_mesh("cpu", (n,))
     a, b, bias = _ints((6, 4), 3), _ints((4, 5), 4), _ints((5,), 5)
     out: dict = {}
-    for pa, pb, want in [(S1, S0, "P(sum)"), (S0, R, "S(0)"), (R, S1, "S(1)"), (R, R, "R"), (P, R, "P(sum)")]:
+    for pa, pb, want in [(S1, S0, "P(sum)"), (S0, R, "S(0)"), (R, S1, "S(1)"), (R, R, "R"),
+                         (P, R, "P(sum)")]:
         da = distribute_tensor(a, mesh, [pa]) if pa != P else DTensor.from_local(a / n, mesh, [P])
         db = distribute_tensor(b, mesh, [pb])
         with CommDebugMode() as comm:
             prod = torch.mm(da, db)
         out[f"comm {pa}x{pb}"] = comm.get_total_counts() == 0
         _check(out, f"mm {pa}x{pb}", prod, a @ b, want)
-    _check(out, "addmm S1xS0", torch.addmm(distribute_tensor(bias, mesh, [R]), distribute_tensor(a, mesh, [S1]),
-                                            distribute_tensor(b, mesh, [S0])), torch.addmm(bias, a, b), "P(sum)")
-    _check(out, "addmm RxS1", torch.addmm(distribute_tensor(bias, mesh, [R]), distribute_tensor(a, mesh, [R]),
-                                          distribute_tensor(b, mesh, [S1])), torch.addmm(bias, a, b), "S(1)")
+    _check(out, "addmm S1xS0", torch.addmm(distribute_tensor(bias, mesh, [R]),
+                                           distribute_tensor(a, mesh, [S1]),
+                                            distribute_tensor(b, mesh, [S0])),
+           torch.addmm(bias, a, b), "P(sum)")
+    _check(out, "addmm RxS1", torch.addmm(distribute_tensor(bias, mesh, [R]),
+                                          distribute_tensor(a, mesh, [R]),
+                                          distribute_tensor(b, mesh, [S1])),
+           torch.addmm(bias, a, b), "S(1)")
     x3 = _ints((2, 3, 4), 6)
-    _check(out, "matmul 3-d S0", distribute_tensor(x3, mesh, [S0]) @ distribute_tensor(b, mesh, [R]), x3 @ b,
-           "S(0)")
-    _check(out, "bmm", torch.bmm(distribute_tensor(x3, mesh, [S0]), distribute_tensor(x3.transpose(1, 2), mesh, [S0])),
+    _check(out, "matmul 3-d S0",
+           distribute_tensor(x3, mesh, [S0]) @ distribute_tensor(b, mesh, [R]), x3 @ b, "S(0)")
+    _check(out, "bmm",
+           torch.bmm(distribute_tensor(x3, mesh, [S0]),
+                     distribute_tensor(x3.transpose(1, 2), mesh, [S0])),
            torch.bmm(x3, x3.transpose(1, 2)), "S(0)")
     w = torch.nn.Linear(4, 5)
     with torch.no_grad():
@@ -112,11 +122,12 @@ def _matmul_2d(rank: int, n: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     a, b = _ints((5, 6), 7), _ints((6, 3), 8)
     out: dict = {}
-    for pa, pb in [((S0, S1), (R, S0)), ((S0, R), (R, S1)), ((S1, S1), (S0, S0)), ((R, S0), (S1, R))]:
+    for pa, pb in [((S0, S1), (R, S0)), ((S0, R), (R, S1)), ((S1, S1), (S0, S0)),
+                   ((R, S0), (S1, R))]:
         prod = torch.mm(distribute_tensor(a, mesh, list(pa)), distribute_tensor(b, mesh, list(pb)))
         _check(out, f"{pa}x{pb}", prod, a @ b)
-    _check(out, "2-d [S0,S1] pointwise+sum", (distribute_tensor(a, mesh, [S0, S1]) * 2).sum(), (a * 2).sum(),
-           "P(sum)P(sum)")
+    _check(out, "2-d [S0,S1] pointwise+sum", (distribute_tensor(a, mesh, [S0, S1]) * 2).sum(),
+           (a * 2).sum(), "P(sum)P(sum)")
     return out
 
 
@@ -162,11 +173,12 @@ def _views_and_more(rank: int, n: int) -> dict:
     _check(out, "unsqueeze/squeeze", dx.unsqueeze(1).squeeze(1), x, "S(0)")
     _check(out, "select other dim", dx[:, 1], x[:, 1], "S(0)")
     _check(out, "slice sharded dim", dx[1:3], x[1:3], "R")
-    _check(out, "expand", distribute_tensor(x[:, :1], mesh, [S0]).expand(4, 5, 4), x[:, :1].expand(4, 5, 4),
-           "S(0)")
+    _check(out, "expand", distribute_tensor(x[:, :1], mesh, [S0]).expand(4, 5, 4),
+           x[:, :1].expand(4, 5, 4), "S(0)")
     _check(out, "cat", torch.cat([dx, dx], 1), torch.cat([x, x], 1), "S(0)")
     _check(out, "split", torch.split(dx, 2, 2)[1], torch.split(x, 2, 2)[1], "S(0)")
-    gaps = DTensor.from_local(x[rank, :2, :2], mesh, [S0])          # a local piece with gaps in memory
+    # a local piece with gaps in memory
+    gaps = DTensor.from_local(x[rank, :2, :2], mesh, [S0])
     _check(out, "view of a strided piece", gaps.view(8), x[:2, :2, :2].reshape(8), "S(0)")
     uneven = distribute_tensor(x[:3], mesh, [S0])
     _check(out, "view of uneven merge gathers", uneven.view(9, 4), x[:3].view(9, 4), "R")
@@ -176,8 +188,10 @@ def _views_and_more(rank: int, n: int) -> dict:
     y = F.layer_norm(dx, (4,), distribute_tensor(ln.weight.detach(), mesh, [R]),
                      distribute_tensor(ln.bias.detach(), mesh, [R]))
     _check(out, "layer_norm", y, ln(x).detach(), "S(0)")
-    _check(out, "zeros_like/ones_like", torch.zeros_like(dx) + torch.ones_like(dx), torch.ones_like(x), "S(0)")
-    _check(out, "fill_ partial", DTensor.from_local(torch.zeros(2), mesh, [P]).fill_(3.0), torch.full((2,), 3.0))
+    _check(out, "zeros_like/ones_like", torch.zeros_like(dx) + torch.ones_like(dx),
+           torch.ones_like(x), "S(0)")
+    _check(out, "fill_ partial", DTensor.from_local(torch.zeros(2), mesh, [P]).fill_(3.0),
+           torch.full((2,), 3.0))
     _check(out, "new_zeros other size", dx.new_zeros(2, 2), torch.zeros(2, 2), "R")
     return out
 
@@ -214,7 +228,10 @@ def _errors(rank: int, n: int) -> dict:
 def test_unsupported_ops_and_mixed_tensors_raise_clear_errors() -> None:
     r = run_threads(_errors, 2)[0]
     assert r["unsupported"].startswith("aten.cumprod.default: no DTensor sharding rule for "
-                                       "self=DTensor(f32[8@tp] S(0)) on DeviceMesh(cpu, [0, 1], names=('tp',))")
+                                       "self=DTensor(f32[8@tp] S(0)) on DeviceMesh(cpu, [0, 1], "
+                                       "names=('tp',))")
     assert "redistribute first" in r["unsupported"] and r["replicated ok"]
-    assert r["mixed"].startswith("aten.add.Tensor: expected DTensor arguments only, got a torch.Tensor of shape [8]")
-    assert r["implicit"] == "DTensor(f32[8@tp] S(0))" and r["scalar tensor ok"] == "DTensor(f32[8@tp] S(0))"
+    assert r["mixed"].startswith("aten.add.Tensor: expected DTensor arguments only, got a "
+                                 "torch.Tensor of shape [8]")
+    assert (r["implicit"] == "DTensor(f32[8@tp] S(0))"
+            and r["scalar tensor ok"] == "DTensor(f32[8@tp] S(0))")

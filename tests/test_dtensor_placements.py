@@ -1,4 +1,5 @@
-"""Pure tests (no process group): placements, shard arithmetic, redistribution plans, view grouping."""
+"""Pure tests (no process group): placements, shard arithmetic, redistribution plans, view
+grouping."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def test_chunk_sizes_follow_torch_chunk() -> None:
             pieces = [c.shape[0] for c in torch.arange(size).chunk(n)] if size else []
             assert want == pieces + [0] * (n - len(pieces)), (size, n)
             assert [sm.chunk_size(size, n, i) for i in range(n)] == want
-            assert [sm.chunk_offset(size, n, i) for i in range(n)] == [min(sum(want[:i]), size) for i in range(n)]
+            assert ([sm.chunk_offset(size, n, i) for i in range(n)]
+                    == [min(sum(want[:i]), size) for i in range(n)])
     with pytest.raises(ValueError, match="expected a positive number of shards"):
         sm.chunk_sizes(4, 0)
 
@@ -63,7 +65,8 @@ def test_shard_local_chunk_and_partial_partition() -> None:
 
 def test_local_shape_and_offset_nests_shards_in_mesh_order() -> None:
     # 5 rows over a 2x2 mesh, both axes on dim 0: 5 -> (3, 2) -> (2, 1), (1, 1)
-    got = {c: sm.local_shape_and_offset([5, 3], [2, 2], c, [S0, S0]) for c in [(0, 0), (0, 1), (1, 0), (1, 1)]}
+    got = ({c: sm.local_shape_and_offset([5, 3], [2, 2], c,
+                                         [S0, S0]) for c in [(0, 0), (0, 1), (1, 0), (1, 1)]})
     assert got == {(0, 0): ([2, 3], [0, 0]), (0, 1): ([1, 3], [2, 0]),
                    (1, 0): ([1, 3], [3, 0]), (1, 1): ([1, 3], [4, 0])}
     assert sm.local_shape_and_offset([5, 3], [2, 2], (1, 1), [S1, S0]) == ([2, 1], [3, 2])
@@ -79,7 +82,8 @@ def test_strides_like_keeps_layout_order() -> None:
 PLANS = [
     ((S0,), (R,), ["all_gather"]), ((R,), (S1,), ["chunk"]), ((P,), (R,), ["all_reduce"]),
     ((P,), (S0,), ["reduce_scatter"]), ((S0,), (S1,), ["all_to_all"]), ((R,), (P,), ["partition"]),
-    ((S0,), (P,), ["all_gather", "partition"]), ((P,), (Partial("max"),), ["all_reduce", "partition"]),
+    ((S0,), (P,), ["all_gather", "partition"]),
+    ((P,), (Partial("max"),), ["all_reduce", "partition"]),
     ((S0, S1), (R, R), ["all_gather", "all_gather"]), ((S0, R), (S0, R), []),
     ((R, S0), (S0, R), ["all_gather", "chunk"]),
 ]

@@ -1,4 +1,5 @@
-"""Every redistribution on 1-d (2 and 3 ranks, uneven sizes) and 2-d meshes; gradients through the API.
+"""Every redistribution on 1-d (2 and 3 ranks, uneven sizes) and 2-d meshes; gradients through the
+API.
 
 Expected shards come from ``distribute_tensor(..., src_data_rank=None)``, which involves no
 communication, so each transition costs only its own collectives.
@@ -26,7 +27,8 @@ def _full(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.arange(n, dtype=torch.float32).reshape(shape)
 
 
-def _all_pairs(rank: int, n: int, mesh_shape: tuple[int, ...], shapes: list[tuple[int, ...]]) -> list[str]:
+def _all_pairs(rank: int, n: int, mesh_shape: tuple[int, ...],
+               shapes: list[tuple[int, ...]]) -> list[str]:
     mesh = init_device_mesh("cpu", mesh_shape)
     opts = [R, S0, S1, P]
     bad = []
@@ -43,9 +45,11 @@ def _all_pairs(rank: int, n: int, mesh_shape: tuple[int, ...], shapes: list[tupl
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("mesh_shape,shapes", [((2,), [(5, 3)]), ((3,), [(7, 2), (2, 5)]), ((2, 2), [(5, 3)])],
+@pytest.mark.parametrize("mesh_shape,shapes",
+                         [((2,), [(5, 3)]), ((3,), [(7, 2), (2, 5)]), ((2, 2), [(5, 3)])],
                          ids=["2ranks", "3ranks", "2x2"])
-def test_every_transition_matches_the_full_tensor(mesh_shape: tuple[int, ...], shapes: list) -> None:
+def test_every_transition_matches_the_full_tensor(mesh_shape: tuple[int, ...],
+                                                  shapes: list) -> None:
     n = 1
     for s in mesh_shape:
         n *= s
@@ -59,16 +63,20 @@ def _partials_and_counts(rank: int, n: int) -> dict:
     parts = DTensor.from_local(full * (rank + 1), mesh, [P])       # genuinely different partials
     total = full * (n * (n + 1) // 2)
     out = {"P->R": torch.equal(parts.full_tensor(), total),
-           "P->S0": torch.equal(parts.redistribute(mesh, [S0]).to_local(), S0.local_chunk(total, n, rank)),
-           "P->S1": torch.equal(parts.redistribute(mesh, [S1]).to_local(), S1.local_chunk(total, n, rank))}
+           "P->S0": torch.equal(parts.redistribute(mesh, [S0]).to_local(),
+                                S0.local_chunk(total, n, rank)),
+           "P->S1": torch.equal(parts.redistribute(mesh, [S1]).to_local(),
+                                S1.local_chunk(total, n, rank))}
     avg = DTensor.from_local(full * (rank + 1), mesh, [Partial("avg")])
     out["avg"] = torch.allclose(avg.full_tensor(), total / n)
     mx = DTensor.from_local(full * (rank + 1), mesh, [Partial("max")])
     out["max"] = torch.equal(mx.redistribute(mesh, [S0]).full_tensor(), full * n)
     counts = {}
     s0 = distribute_tensor(full, mesh, [S0], src_data_rank=None)
-    for name, src, dst in [("S->R", s0, [R]), ("S->S", s0, [S1]), ("P->R", parts, [R]), ("P->S", parts, [S0]),
-                           ("R->S", s0.redistribute(mesh, [R]), [S1]), ("R->P", s0.redistribute(mesh, [R]), [P])]:
+    for name, src, dst in [("S->R", s0, [R]), ("S->S", s0, [S1]), ("P->R", parts, [R]),
+                           ("P->S", parts, [S0]),
+                           ("R->S", s0.redistribute(mesh, [R]), [S1]),
+                           ("R->P", s0.redistribute(mesh, [R]), [P])]:
         with CommDebugMode() as comm:
             src.redistribute(mesh, dst)
         counts[name] = comm.get_comm_counts()
@@ -79,7 +87,8 @@ def _partials_and_counts(rank: int, n: int) -> dict:
 @pytest.mark.timeout(60)
 def test_partial_sources_and_one_collective_per_transition() -> None:
     for r in run_threads(_partials_and_counts, 3):
-        assert r.pop("counts") == {"S->R": {"all_gather": 1}, "S->S": {"all_to_all": 1}, "P->R": {"all_reduce": 1},
+        assert r.pop("counts") == {"S->R": {"all_gather": 1}, "S->S": {"all_to_all": 1},
+                                   "P->R": {"all_reduce": 1},
                                    "P->S": {"reduce_scatter": 1}, "R->S": {}, "R->P": {}}
         assert all(r.values()), r
 
@@ -93,9 +102,12 @@ def _permuted_mesh(rank: int, n: int) -> list[bool]:
         dt = distribute_tensor(full, mesh, pls, src_data_rank=None)
         out.append(torch.equal(dt.full_tensor(), full))
         moved = dt.redistribute(mesh, [S1, S1])
-        out.append(torch.equal(moved.to_local(), distribute_tensor(full, mesh, [S1, S1], src_data_rank=None).to_local()))
+        out.append(torch.equal(moved.to_local(),
+                               distribute_tensor(full, mesh, [S1, S1],
+                                                 src_data_rank=None).to_local()))
     src = torch.full((2, 2), float(rank))
-    out.append(distribute_tensor(src, mesh, [R, R]).to_local()[0, 0].item() == 1.0)   # coordinate (0, 0) is rank 1
+    # coordinate (0, 0) is rank 1
+    out.append(distribute_tensor(src, mesh, [R, R]).to_local()[0, 0].item() == 1.0)
     return out
 
 
@@ -107,14 +119,17 @@ def test_meshes_whose_lines_are_not_in_rank_order() -> None:
 
 def _gradients(rank: int, n: int) -> dict:
     mesh = init_device_mesh("cpu", (n,))
-    x = (torch.arange(6.0).reshape(3, 2) + rank).requires_grad_()        # rank's shard of a [3n, 2] tensor
+    # rank's shard of a [3n, 2] tensor
+    x = (torch.arange(6.0).reshape(3, 2) + rank).requires_grad_()
     dt = DTensor.from_local(x, mesh, [S0])
-    full = dt.full_tensor()                                                # all-gather; backward: keep my chunk
+    # all-gather; backward: keep my chunk
+    full = dt.full_tensor()
     (full * torch.arange(3.0 * n).reshape(-1, 1)).sum().backward()
     out = {"from_local+full": x.grad.tolist()}
     w = distribute_tensor(torch.ones(4, 3), mesh, [S0]).requires_grad_()
     y = w.redistribute(mesh, [R]) * 2                                      # S->R; backward R->S
-    y.to_local().sum().backward()                                          # each rank: d/dy = 1 as a R grad
+    # each rank: d/dy = 1 as a R grad
+    y.to_local().sum().backward()
     out["redistribute"] = (repr(w.grad), w.grad.to_local().tolist())
     src = torch.ones(2, 2, requires_grad=True)
     r = DTensor.from_local(src, mesh, [P]).redistribute(mesh, [S0]).to_local(grad_placements=[S0])
@@ -142,21 +157,27 @@ def test_gradients_flow_through_from_local_redistribute_to_local_and_full_tensor
 def _api_checks(rank: int, n: int) -> dict:
     mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
     out = {}
-    uneven = DTensor.from_local(torch.ones(2 if rank == 0 else 1, 3), mesh, [S0], shape=(3, 3), stride=(3, 1))
+    uneven = DTensor.from_local(torch.ones(2 if rank == 0 else 1, 3), mesh, [S0], shape=(3, 3),
+                                stride=(3, 1))
     out["uneven"] = (repr(uneven), uneven.full_tensor().shape == (3, 3))
     even = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(-1)], run_check=True)
     out["even"] = (repr(even), even.stride())
-    rep = DTensor.from_local(torch.full((2,), float(rank)), mesh, run_check=True)   # copies coordinate 0
+    # copies coordinate 0
+    rep = DTensor.from_local(torch.full((2,), float(rank)), mesh, run_check=True)
     out["run_check"] = rep.to_local().tolist()
     out["verbose"] = even.verbose_repr().startswith("DTensor(local_tensor=tensor(")
     for fn, err, match in [
-        (lambda: DTensor.from_local(torch.ones(2 + rank, 3), mesh, [S0], run_check=True), ValueError,
-         "disagree on dtype or global shape"),
-        (lambda: even.redistribute(mesh, [S0, S0]), ValueError, "expected one placement per mesh axis"),
-        (lambda: even.redistribute(mesh, [Shard(2)]), ValueError, "names a dim outside a 2-d tensor"),
-        (lambda: even.redistribute(init_device_mesh("cpu", (n,)), [R]), ValueError, "expected DeviceMesh"),
+        (lambda: DTensor.from_local(torch.ones(2 + rank, 3), mesh, [S0], run_check=True),
+         ValueError, "disagree on dtype or global shape"),
+        (lambda: even.redistribute(mesh, [S0, S0]), ValueError,
+         "expected one placement per mesh axis"),
+        (lambda: even.redistribute(mesh, [Shard(2)]), ValueError,
+         "names a dim outside a 2-d tensor"),
+        (lambda: even.redistribute(init_device_mesh("cpu", (n,)), [R]), ValueError,
+         "expected DeviceMesh"),
         (lambda: distribute_tensor(even, mesh, [R]), ValueError, "use redistribute"),
-        (lambda: distribute_tensor(torch.ones(2), mesh, [R], src_data_rank=5), ValueError, "src_data_rank"),
+        (lambda: distribute_tensor(torch.ones(2), mesh, [R], src_data_rank=5), ValueError,
+         "src_data_rank"),
     ]:
         with pytest.raises(err, match=match):
             fn()

@@ -1,4 +1,5 @@
-"""Training with DTensor parameters: torch.optim, clip_grad_norm_, nn.Parameter, state dicts, modules."""
+"""Training with DTensor parameters: torch.optim, clip_grad_norm_, nn.Parameter, state dicts,
+modules."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ R, S0, S1 = Replicate(), Shard(0), Shard(1)
 
 def _model(seed: int = 0) -> nn.Sequential:
     model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
-    g = torch.Generator().manual_seed(seed)        # threads share torch's global generator: use our own
+    # threads share torch's global generator: use our own
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
@@ -56,23 +58,29 @@ def _optim(rank: int, n: int, configs: list) -> dict:
             model(dx).full_tensor().pow(2).mean().backward()
             ref(x).pow(2).mean().backward()
             with CommDebugMode() as comm:
-                total = nn.utils.clip_grad_norm_(model.parameters(), 0.5, foreach=kwargs.get("foreach"))
+                total = nn.utils.clip_grad_norm_(model.parameters(), 0.5,
+                                                 foreach=kwargs.get("foreach"))
             rtotal = nn.utils.clip_grad_norm_(ref.parameters(), 0.5, foreach=kwargs.get("foreach"))
-            norms.append((repr(total), comm.get_comm_counts(), torch.allclose(total.full_tensor(), rtotal)))
+            norms.append((repr(total), comm.get_comm_counts(),
+                          torch.allclose(total.full_tensor(), rtotal)))
             opt.step()
             ropt.step()
             opt.zero_grad()
             ropt.zero_grad()
-        same = all(torch.allclose(p.full_tensor(), q, atol=1e-5) for p, q in zip(model.parameters(), ref.parameters()))
+        same = all(torch.allclose(p.full_tensor(), q, atol=1e-5)
+                   for p, q in zip(model.parameters(), ref.parameters()))
         state = opt.state[model[0].weight]
-        out[f"{name} {kwargs}"] = (same, norms, sorted(repr(v) for k, v in state.items() if k != "step"))
+        out[f"{name} {kwargs}"] = (same, norms,
+                                   sorted(repr(v) for k, v in state.items() if k != "step"))
     return out
 
 
 CONFIGS = [("SGD", {"momentum": 0.9, "weight_decay": 0.01, "foreach": False}),
            ("SGD", {"momentum": 0.9, "weight_decay": 0.01, "foreach": True}),
-           ("Adam", {"weight_decay": 0.01, "foreach": False}), ("Adam", {"foreach": True, "amsgrad": True}),
-           ("AdamW", {"weight_decay": 0.1, "foreach": False}), ("AdamW", {"weight_decay": 0.1, "foreach": True})]
+           ("Adam", {"weight_decay": 0.01, "foreach": False}),
+           ("Adam", {"foreach": True, "amsgrad": True}),
+           ("AdamW", {"weight_decay": 0.1, "foreach": False}),
+           ("AdamW", {"weight_decay": 0.1, "foreach": True})]
 
 
 @pytest.mark.timeout(90)
@@ -81,7 +89,8 @@ def test_optimizers_and_clip_grad_norm_match_full_tensors() -> None:
         for key, (same, norms, state) in r.items():
             assert same, key
             for total, counts, close in norms:          # the global norm, reduced once
-                assert total == "DTensor(f32[] P(norm2))" and counts == {"all_reduce": 1} and close, key
+                assert (total == "DTensor(f32[] P(norm2))" and counts == {"all_reduce": 1}
+                        and close), key
             assert all(s == "DTensor(f32[5@0,4] S(0))" for s in state), (key, state)
 
 
@@ -95,24 +104,29 @@ def _state_dicts(rank: int, n: int, tmp: str) -> dict:
     torch.save(model.state_dict(), path)
     loaded = torch.load(path, weights_only=False)
     out["loaded"] = (repr(loaded["0.weight"]), loaded["0.weight"].device_mesh is mesh,
-                     all(torch.equal(loaded[k].to_local(), v.to_local()) for k, v in model.state_dict().items()))
+                     all(torch.equal(loaded[k].to_local(), v.to_local())
+                         for k, v in model.state_dict().items()))
     fresh = _model(seed=5)
     fresh.load_state_dict(loaded, assign=True)
-    out["assign"] = (repr(fresh[2].weight), isinstance(fresh[2].weight, nn.Parameter), fresh[2].weight.requires_grad,
+    out["assign"] = (repr(fresh[2].weight), isinstance(fresh[2].weight, nn.Parameter),
+                     fresh[2].weight.requires_grad,
                      torch.equal(fresh[2].weight.full_tensor(), full[2].weight))
     other = _model(seed=7)
     _shard(other, mesh)
     other.load_state_dict(full.state_dict())            # full plain tensors copied into shards
-    out["copy full"] = all(torch.equal(p.full_tensor(), q) for p, q in zip(other.parameters(), full.parameters()))
+    out["copy full"] = all(torch.equal(p.full_tensor(), q)
+                           for p, q in zip(other.parameters(), full.parameters()))
     clone = copy.deepcopy(model)
     out["deepcopy"] = (repr(clone[0].weight), isinstance(clone[0].weight, nn.Parameter),
                        clone[0].weight.device_mesh is mesh,
-                       clone[0].weight.to_local().data_ptr() != model[0].weight.to_local().data_ptr())
+                       clone[0].weight.to_local().data_ptr()
+                       != model[0].weight.to_local().data_ptr())
     if rank == 0:        # safe_globals() edits a process-wide allow-list: one rank thread at a time
         with torch.serialization.safe_globals(serialization_globals()):
             out["weights_only"] = repr(torch.load(path, weights_only=True)["2.weight"])
     model.double()                          # module dtype conversion swaps in new DTensors
-    out["double"] = (repr(model[0].weight), model[0].weight.to_local().dtype, isinstance(model[0].weight, nn.Parameter))
+    out["double"] = (repr(model[0].weight), model[0].weight.to_local().dtype,
+                     isinstance(model[0].weight, nn.Parameter))
     with open(path, "wb") as f:
         pickle.dump(distribute_tensor(torch.ones(3), mesh, [S0]), f)
     return out
@@ -129,7 +143,8 @@ def test_parameters_state_dict_save_load_assign_and_deepcopy(tmp_path) -> None:
         assert r["deepcopy"] == ("DTensor(f32[5@tp,4] S(0))", True, True, True)
         assert r["double"] == ("DTensor(f64[5@tp,4] S(0))", torch.float64, True)
     assert res[0]["weights_only"] == "DTensor(f32[3,5@tp] S(1))"
-    with open(tmp_path / "rank0.pt", "rb") as f, pytest.raises(ValueError, match="expected an initialized process"):
+    with open(tmp_path / "rank0.pt",
+              "rb") as f, pytest.raises(ValueError, match="expected an initialized process"):
         pickle.load(f)             # no world here: the mesh cannot be reattached
 
 
@@ -157,21 +172,25 @@ def _modules(rank: int, n: int) -> dict:
         distribute_module(model, mesh)
     plain = distribute_module(_model(), mesh)
     out["default"] = {repr(p.placements) for p in plain.parameters()}
-    logits = plain(distribute_tensor(x, mesh, [R]))                      # replicated: any op runs locally
-    loss = nn.functional.cross_entropy(logits, distribute_tensor(torch.tensor([0, 2, 1]), mesh, [R]))
-    loss.backward()                                                      # a DTensor loss: grad seeded with R ones
+    # replicated: any op runs locally
+    logits = plain(distribute_tensor(x, mesh, [R]))
+    loss = nn.functional.cross_entropy(logits,
+                                       distribute_tensor(torch.tensor([0, 2, 1]), mesh, [R]))
+    # a DTensor loss: grad seeded with R ones
+    loss.backward()
     ref_loss = nn.functional.cross_entropy(ref(x), torch.tensor([0, 2, 1]))
     ref_loss.backward()
     out["loss"] = (repr(loss), torch.allclose(loss.full_tensor(), ref_loss),
-                   torch.allclose(plain[0].weight.grad.full_tensor(), ref[0].weight.grad, atol=1e-6))
+                   torch.allclose(plain[0].weight.grad.full_tensor(),
+                                  ref[0].weight.grad, atol=1e-6))
     return out
 
 
 @pytest.mark.timeout(60)
 def test_distribute_module() -> None:
     r = run_threads(_modules, 2)[0]
-    assert r["placements"] == ["DTensor(f32[5@0,4] S(0))", "DTensor(f32[5] R)", "DTensor(f32[3,5] R)",
-                               "DTensor(f32[3] R)"]
+    assert r["placements"] == ["DTensor(f32[5@0,4] S(0))", "DTensor(f32[5] R)",
+                               "DTensor(f32[3,5] R)", "DTensor(f32[3] R)"]
     assert r["buffer"] == "DTensor(f32[1] R)" and r["forward"]
     assert r["default"] == {"(R,)"}
     assert r["loss"] == ("DTensor(f32[] R)", True, True)

@@ -1,4 +1,5 @@
-"""End to end: the README's main job, and a torch.distributed script moved over by text substitution."""
+"""End to end: the README's main job, and a torch.distributed script moved over by text
+substitution."""
 
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ def test_torch_script_moved_by_text_substitution_gives_torchs_results(tmp_path) 
     torch_script.write_text(TORCH_SCRIPT)
     ringlet_script = tmp_path / "ringlet_version.py"
     ringlet_script.write_text(TORCH_SCRIPT.replace("torch.distributed", "ringlet.distributed"))
-    ref = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                str(torch_script), str(tmp_path / "torch")], timeout=180)
+    ref = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", str(torch_script), str(tmp_path / "torch")], timeout=180)
     assert ref.returncode == 0, ref.stdout + ref.stderr
     got = _run([sys.executable, "-m", "ringlet.launcher.run", "--nproc-per-node", "2",
                 str(ringlet_script), str(tmp_path / "ringlet")])

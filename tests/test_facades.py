@@ -32,8 +32,8 @@ _TORCH_TOP_LEVEL = ("torch defines it in torch.distributed (from its C extension
 RINGLET_ONLY: dict[str, dict[str, str]] = {
     "ringlet.distributed": {
         **_C10D_EXTRAS,
-        "AllgatherOptions": "torch has it only in torch._C._distributed_c10d; ringlet lists all the "
-                            "Options classes together",
+        "AllgatherOptions": "torch has it only in torch._C._distributed_c10d; ringlet lists all "
+                            "the Options classes together",
         "CollectiveTimeoutError": "ringlet's DistError subclasses carry rank, group, op and peer",
         "CollectiveMismatchError": "ringlet's DistError subclasses carry rank, group, op and peer",
         "PeerFailureError": "ringlet's DistError subclasses carry rank, group, op and peer",

@@ -26,7 +26,8 @@ def _by_rank(results):
 @pytest.mark.parametrize("mode", ["sigkill", "sigterm", "abort", "exit0", "exit1"])
 def test_peer_death_reaches_every_survivor_within_a_second(mode: str) -> None:
     env = {"RINGLET_FAULT": f"rank=1;at=collective:seq=5;do={mode}"}
-    res = _by_rank(run_world(3, _workers.timed_until_error, 50, op_timeout=10.0, env=env, timeout=40))
+    res = _by_rank(run_world(3, _workers.timed_until_error, 50, op_timeout=10.0, env=env,
+                             timeout=40))
     assert res[1].exitcode != 0 or mode == "exit0"
     for r in (0, 2):
         etype, msg, elapsed = res[r].value
@@ -71,7 +72,8 @@ def test_timeout_is_two_sided() -> None:
 def test_frozen_peer_fails_the_others_at_the_timeout() -> None:
     env = {"RINGLET_FAULT": "rank=1;at=collective:seq=3;do=sigstop"}
     t0 = time.monotonic()
-    res = _by_rank(run_world(2, _workers.timed_until_error, 10, op_timeout=T, env=env, timeout=T + 4))
+    res = _by_rank(run_world(2, _workers.timed_until_error, 10, op_timeout=T, env=env,
+                             timeout=T + 4))
     etype, msg, elapsed = res[0].value
     assert etype == "CollectiveTimeoutError" and "ranks [1]" in msg, msg
     assert res[1].exc_type == "hung"   # still stopped: the harness killed it
@@ -108,7 +110,8 @@ def test_shm_without_room_is_a_clear_error_not_sigbus(tmp_path) -> None:
         "except DistBackendError as e:\n"
         "    print('ERR', e)\n")
     cmd = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && {sys.executable} {script}"
-    out = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True,
+                         text=True, timeout=60)
     if "mount" in out.stderr and out.returncode:
         pytest.skip(f"cannot mount tmpfs here: {out.stderr.strip()}")
     assert "ERR" in out.stdout, out.stdout + out.stderr
@@ -133,15 +136,18 @@ def test_hang_report_names_the_missing_rank_and_its_line() -> None:
     assert res[0].exc_type == "CollectiveTimeoutError", msg
     assert "hang report for group default_pg" in msg
     assert "ranks [0] wait in all_reduce #2" in msg
-    assert "rank 1 completed #1 and is at" in msg and "in evaluate()" in msg and "_workers.py:" in msg, msg
+    assert ("rank 1 completed #1 and is at" in msg and "in evaluate()" in msg
+            and "_workers.py:" in msg), msg
 
 
 @pytest.mark.timeout(60)
 def test_detail_mode_reports_both_call_sites_of_a_shape_mismatch() -> None:
-    res = run_world(2, _workers.detail_mismatch, op_timeout=10.0, timeout=30, env={"RINGLET_DEBUG": "DETAIL"})
+    res = run_world(2, _workers.detail_mismatch, op_timeout=10.0, timeout=30,
+                    env={"RINGLET_DEBUG": "DETAIL"})
     for r in res:
         assert r.exc_type == "CollectiveMismatchError", r.message
-        assert "rank 0: all_reduce #2 float32[2x3]" in r.message and "rank 1: all_reduce #2 float32[3x2]" in r.message
+        assert ("rank 0: all_reduce #2 float32[2x3]" in r.message
+                and "rank 1: all_reduce #2 float32[3x2]" in r.message)
         assert r.message.count("_workers.py:") >= 2, r.message
 
 
@@ -165,7 +171,8 @@ def test_two_jobs_at_once_never_mix() -> None:
     def job(name: str, tag: float) -> None:
         out[name] = run_world(2, _workers.tagged_sum, tag, 200, op_timeout=20.0, timeout=60)
 
-    threads = [threading.Thread(target=job, args=(name, tag)) for name, tag in (("a", 100.0), ("b", 1000.0))]
+    threads = [threading.Thread(target=job, args=(name, tag))
+               for name, tag in (("a", 100.0), ("b", 1000.0))]
     for th in threads:
         th.start()
     for th in threads:

@@ -96,9 +96,10 @@ def test_world_size_one_and_three_match_single_process() -> None:
             assert losses == pytest.approx(ref, abs=1e-5) and diff < 1e-5
 
 
-def _bf16_pair(rank: int, world: int, kind: str, steps: int = 4, rows: int = 4) -> tuple[list[float], list[float],
-                                                                                           float, set]:
-    """bf16 FSDP vs a reference doing the same math: each rank's slice in bf16, grads averaged in fp32."""
+def _bf16_pair(rank: int, world: int, kind: str, steps: int = 4,
+               rows: int = 4) -> tuple[list[float], list[float], float, set]:
+    """bf16 FSDP vs a reference doing the same math: each rank's slice in bf16, grads averaged in
+    fp32."""
     model = make_model(kind)
     ref = copy.deepcopy(model)
     shard_model(model, mp_policy=bf16_policy())
@@ -106,7 +107,8 @@ def _bf16_pair(rank: int, world: int, kind: str, steps: int = 4, rows: int = 4) 
     losses, ref_losses = [], []
     for step in range(steps):
         x, y = batch(kind, step, rows * world)
-        loss = loss_fn(kind, model, x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
+        loss = loss_fn(kind, model, x[rank * rows:(rank + 1) * rows],
+                       y[rank * rows:(rank + 1) * rows])
         loss.backward()
         grad_dtypes = {p.grad.dtype for p in model.parameters()}
         opt.step()
@@ -188,22 +190,26 @@ def _storage(rank: int, world: int, raf: bool | None) -> tuple[int, int, int, in
     after_forward = _live_unsharded(model)
     loss.backward()
     params = list(model.parameters())
-    return full, after_forward, _live_unsharded(model), sum(not isinstance(p, DTensor) for p in params)
+    return (full, after_forward, _live_unsharded(model),
+            sum(not isinstance(p, DTensor) for p in params))
 
 
 def test_reshard_after_forward_frees_unsharded_storage() -> None:
-    root_bytes = sum(p.numel() * 4 for n, p in Transformer().named_parameters() if not n.startswith("blocks"))
+    root_bytes = sum(p.numel() * 4 for n, p in Transformer().named_parameters()
+                     if not n.startswith("blocks"))
     for full, fwd, bwd, n_plain in run_threads(_storage, 2, True):
         assert (fwd, bwd) == (0, 0) and n_plain == 0
     for full, fwd, bwd, _ in run_threads(_storage, 2, False):
         assert fwd == full and bwd == 0
-    for full, fwd, bwd, _ in run_threads(_storage, 2, None):    # default: only the root stays unsharded
+    # default: only the root stays unsharded
+    for full, fwd, bwd, _ in run_threads(_storage, 2, None):
         assert fwd == root_bytes and bwd == 0
 
 
 def _logical_bytes(rank: int, world: int) -> tuple[int, int]:
     model = shard_model(make_model("transformer", dim=32, vocab=64))
-    ddp = 4 * sum(p.numel() * p.element_size() for p in make_model("transformer", dim=32, vocab=64).parameters())
+    ddp = 4 * sum(p.numel() * p.element_size()
+                  for p in make_model("transformer", dim=32, vocab=64).parameters())
     opt = make_opt(model.parameters())
     x, y = batch("transformer", 0, 2)
     loss_fn("transformer", model, x, y.clamp(max=31)).backward()
@@ -254,7 +260,8 @@ def _odd(rank: int, world: int) -> float:
     model = Odd()
     ref = copy.deepcopy(model)
     fully_shard(model)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.01), torch.optim.SGD(ref.parameters(), lr=0.01)
+    opt, ref_opt = (torch.optim.SGD(model.parameters(), lr=0.01),
+                    torch.optim.SGD(ref.parameters(), lr=0.01))
     for step in range(3):
         x = torch.arange(8.0 * world).view(2 * world, 4) / 64 - step / 8
         model(x[2 * rank:2 * rank + 2]).pow(2).mean().backward()

@@ -20,7 +20,8 @@ from ringlet.testing import run_threads
 pytestmark = pytest.mark.timeout(60)
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, kind: str, step: int, rank: int, world: int) -> float:
+def _step(model: nn.Module, opt: torch.optim.Optimizer, kind: str, step: int, rank: int,
+          world: int) -> float:
     x, y = batch(kind, step, 2 * world)
     loss = loss_fn(kind, model, x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
     loss.backward()
@@ -40,11 +41,14 @@ def _copy_after_training(rank: int, world: int, kind: str, raf: bool | None) -> 
     x, y = batch(kind, 1, 2 * world)
     loss_fn(kind, model, x[:2], y[:2]).backward()          # leave gradients in place
     twin = copy.deepcopy(model)
-    out: dict[str, object] = {"type": type(twin) is type(model), "fsdp": isinstance(twin, FSDPModule)}
+    out: dict[str, object] = {"type": type(twin) is type(model),
+                              "fsdp": isinstance(twin, FSDPModule)}
     mine, theirs = _sharded_grads(model), _sharded_grads(twin)
-    out["grads"] = sorted(mine) == sorted(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    out["grads"] = (sorted(mine) == sorted(theirs)
+                    and all(torch.equal(mine[k], theirs[k]) for k in mine))
     pa, pb = dict(model.named_parameters()), dict(twin.named_parameters())
-    out["params"] = all(isinstance(pb[k], DTensor) and torch.equal(pa[k].to_local(), pb[k].to_local())
+    out["params"] = all(isinstance(pb[k], DTensor)
+                        and torch.equal(pa[k].to_local(), pb[k].to_local())
                         and pa[k].to_local().data_ptr() != pb[k].to_local().data_ptr() for k in pa)
     # Both continue identically from the same state, with their own optimizers ...
     # (SGD with momentum: its state starts empty for both, so the pair stays comparable.)
@@ -66,7 +70,8 @@ def _copy_after_training(rank: int, world: int, kind: str, raf: bool | None) -> 
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize(("kind", "raf"), [("mlp", None), ("transformer", False)])
-def test_deepcopy_after_forward_backward_copies_the_sharded_state(world: int, kind: str, raf: bool | None) -> None:
+def test_deepcopy_after_forward_backward_copies_the_sharded_state(world: int, kind: str,
+                                                                  raf: bool | None) -> None:
     for r in run_threads(_copy_after_training, world, kind, raf):
         assert r["type"] and r["fsdp"] and r["grads"] and r["params"] and r["independent"], r
         assert r["same_training"] < 1e-6, r
@@ -113,7 +118,8 @@ def test_deepcopy_inside_forward_is_refused_clearly() -> None:
 
 
 def _copy_unsharded(rank: int, world: int) -> tuple[bool, float]:
-    """An eval forward with reshard_after_forward=False leaves the groups unsharded: still copyable."""
+    """An eval forward with reshard_after_forward=False leaves the groups unsharded: still
+    copyable."""
     model = shard_model(make_model("mlp"), reshard_after_forward=False)
     x, _ = batch("mlp", 0, 2)
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""fully_shard's controls on rank threads: no-sync accumulation, prefetch, HSDP, state dicts, meta init."""
+"""fully_shard's controls on rank threads: no-sync accumulation, prefetch, HSDP, state dicts, meta
+init."""
 
 from __future__ import annotations
 
@@ -149,13 +150,15 @@ def _state_errors(rank: int, world: int) -> None:
     model = shard_model(make_model("mlp"))
     model(torch.ones(1, 8))
     state = model.layers[0]._get_fsdp_state()
-    with pytest.raises(AssertionError, match=r"FSDPLinear.*post-forward.*expected training state in .*got idle"):
+    with pytest.raises(AssertionError,
+                       match=r"FSDPLinear.*post-forward.*expected training state in .*got idle"):
         state.post_forward(torch.ones(1))
     state.training_state = TrainingState.FORWARD
     with pytest.raises(AssertionError, match=r"FSDPLinear.*pre-backward.*got forward"):
         state.transition(TrainingState.PRE_BACKWARD, "pre-backward")
     group = state.group
-    with pytest.raises(AssertionError, match=r"FSDPLinear.*reshard: expected sharded state unsharded, got sharded"):
+    with pytest.raises(AssertionError,
+                       match=r"FSDPLinear.*reshard: expected sharded state unsharded, got sharded"):
         group._transition(ShardedState.UNSHARDED, ShardedState.SHARDED, "reshard")
 
 
@@ -175,13 +178,15 @@ class Generator(MLP):
 
 
 def _forward_method(rank: int, world: int) -> tuple[bool, bool, bool, float]:
-    plain = fully_shard(Generator(), reshard_after_forward=True)   # the root owns every parameter here
+    # the root owns every parameter here
+    plain = fully_shard(Generator(), reshard_after_forward=True)
     sharded_inside_plain, _ = plain.generate(torch.ones(1, 8))
     model = fully_shard(Generator(), reshard_after_forward=True)
     register_fsdp_forward_method(model, "generate")
     register_fsdp_forward_method(nn.Linear(2, 2), "forward")      # not an FSDPModule: a no-op
     sharded_inside, out = model.generate(torch.ones(1, 8))
-    return sharded_inside_plain, sharded_inside, isinstance(model.layers[-1].weight, DTensor), out.item()
+    return (sharded_inside_plain, sharded_inside,
+            isinstance(model.layers[-1].weight, DTensor), out.item())
 
 
 def test_registered_forward_method_unshards_the_module() -> None:
@@ -230,11 +235,14 @@ def test_ignored_parameters_are_left_alone() -> None:
 
 
 def _reshard_int(rank: int, world: int) -> None:
-    assert fully_shard(nn.Linear(4, 4), reshard_after_forward=1)._get_fsdp_state().reshard_after_forward is False
-    assert fully_shard(nn.Linear(4, 4), reshard_after_forward=world)._get_fsdp_state().reshard_after_forward is True
+    assert (fully_shard(nn.Linear(4, 4),
+                        reshard_after_forward=1)._get_fsdp_state().reshard_after_forward is False)
+    assert fully_shard(nn.Linear(4, 4),
+                       reshard_after_forward=world)._get_fsdp_state().reshard_after_forward is True
     with pytest.raises(ValueError, match="divides the shard world size 4"):
         fully_shard(nn.Linear(4, 4), reshard_after_forward=3)
-    m = fully_shard(nn.Linear(4, 4), reshard_after_forward=2)    # a proper divisor: a 2-rank post-forward group
+    # a proper divisor: a 2-rank post-forward group
+    m = fully_shard(nn.Linear(4, 4), reshard_after_forward=2)
     assert m._get_fsdp_state().reshard_after_forward == 2
     assert m._get_fsdp_state().group.comm.post_forward_pg.size() == 2
 
@@ -302,7 +310,8 @@ def _hsdp(rank: int, world: int) -> tuple[list[float], list[float], float, dict,
 def test_hsdp_on_a_2x2_mesh_matches_single_process_training() -> None:
     for losses, ref, diff, shard_counts, rep_counts, placements in run_threads(_hsdp, 4):
         assert losses == pytest.approx(ref, abs=1e-5) and diff < 1e-5
-        assert shard_counts == {"all_gather": 5, "reduce_scatter": 3} and rep_counts == {"all_reduce": 3}
+        assert (shard_counts == {"all_gather": 5, "reduce_scatter": 3}
+                and rep_counts == {"all_reduce": 3})
         assert placements[1] == Shard(0)
 
 
@@ -349,7 +358,8 @@ def _meta_init(rank: int, world: int) -> tuple[bool, float, float]:
     on_meta = all(p.device.type == "meta" for p in model.parameters())
     model.to_empty(device="cpu")
     with torch.no_grad():
-        torch.manual_seed(rank)           # ranks initialise their own shards: no RNG coordination needed
+        # ranks initialise their own shards: no RNG coordination needed
+        torch.manual_seed(rank)
         for m in model.modules():
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()

@@ -1,4 +1,5 @@
-"""fully_shard's pure planning: torch.chunk shard sizes, padding, flat layouts and the copy helpers."""
+"""fully_shard's pure planning: torch.chunk shard sizes, padding, flat layouts and the copy
+helpers."""
 
 from __future__ import annotations
 

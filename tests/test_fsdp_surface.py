@@ -21,7 +21,8 @@ def test_training_matches_one_process(name: str) -> None:
     for r in run_threads(S.parity, 2, name):
         assert r["loss"] < 1e-5 and r["diff"] < 1e-5, r
         if name == "custom":
-            assert r["calls"] == (24, 12), r     # 4 steps x (3 forward + 3 backward) gathers, 3 reductions
+            # 4 steps x (3 forward + 3 backward) gathers, 3 reductions
+            assert r["calls"] == (24, 12), r
 
 
 def test_reshard_after_forward_to_a_smaller_group() -> None:
@@ -29,15 +30,18 @@ def test_reshard_after_forward_to_a_smaller_group() -> None:
         assert r["loss"] < 1e-5 and r["diff"] < 1e-5, r
     for rank, r in enumerate(run_threads(S.raf_int_details, 4)):
         assert r["pf_ranks"] == ([0, 1] if rank < 2 else [2, 3]), r
-        assert r["kept"] * 2 == r["gathered"] and r["registered"] == "DTensor", r   # half kept, sharded registered
+        # half kept, sharded registered
+        assert r["kept"] * 2 == r["gathered"] and r["registered"] == "DTensor", r
         assert (r["forward_ag"], r["backward_ag_shard"], r["backward_ag_pf"]) == (3, 0, 1), r
-        assert r["after"], r                                                      # dropped after backward
+        # dropped after backward
+        assert r["after"], r
 
 
 def test_grouped_modules_share_one_state_and_one_all_gather() -> None:
     for r in run_threads(S.grouped_details, 2):
         assert r["shared"] and r["reload"], r
-        assert r["counts"] == {"all_gather": 5, "reduce_scatter": 3}, r   # 3 groups; root, pair, last layer
+        # 3 groups; root, pair, last layer
+        assert r["counts"] == {"all_gather": 5, "reduce_scatter": 3}, r
         assert r["keys"] == ["layers.0.bias", "layers.0.weight", "layers.1.bias", "layers.1.weight",
                              "layers.2.bias", "layers.2.weight"], r
 
@@ -59,11 +63,14 @@ def test_unused_parameters_get_the_average_with_reduce_scatter_unused_params() -
 def test_setters_validate_and_share_comm_ctx() -> None:
     for r in run_threads(S.setter_checks, 2):
         assert r["symm"].startswith("NotImplementedError: set_symm_mem_for_comm"), r
-        assert r["buffers"].startswith("ValueError") and r["buffers_type"].startswith("TypeError"), r
-        assert r["comm_type"].startswith("TypeError: set_custom_all_gather: expected a AllGather"), r
+        assert (r["buffers"].startswith("ValueError")
+                and r["buffers_type"].startswith("TypeError")), r
+        assert r["comm_type"].startswith("TypeError: set_custom_all_gather: expected a "
+                                         "AllGather"), r
         assert r["conflict"].startswith("ValueError: set_custom_all_gather: cannot be combined"), r
         assert r["share_bad"].startswith("ValueError: share_comm_ctx"), r
-        assert r["deprecated"] == "FutureWarning" and r["pool"] == "5" and r["shared_pool"] == "True", r
+        assert (r["deprecated"] == "FutureWarning" and r["pool"] == "5"
+                and r["shared_pool"] == "True"), r
 
 
 def test_hsdp_with_sum_only_reductions() -> None:
@@ -75,4 +82,5 @@ def test_surface_in_processes() -> None:
     for rank, r in enumerate(raise_first(run_world(4, S.proc_surface, timeout=140))):
         for name in ("grouped", "custom", "separate_rs", "raf2"):
             assert r[name]["loss"] < 1e-5 and r[name]["diff"] < 1e-5, (name, r[name])
-        assert r["raf"]["pf_ranks"] == ([0, 1] if rank < 2 else [2, 3]) and r["raf"]["backward_ag_pf"] == 1
+        assert (r["raf"]["pf_ranks"] == ([0, 1] if rank < 2 else [2, 3])
+                and r["raf"]["backward_ag_pf"] == 1)

@@ -30,7 +30,8 @@ class Checkpointed(Transformer):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
         for blk in self.blocks:
-            x = checkpoint(blk, x, use_reentrant=False)     # recomputed (and re-gathered) in backward
+            # recomputed (and re-gathered) in backward
+            x = checkpoint(blk, x, use_reentrant=False)
         return self.head(self.ln(x))
 
 
@@ -97,7 +98,8 @@ def _recover(rank: int, world: int) -> tuple[str, str, float]:
         opt.zero_grad()
         ref_opt.zero_grad()
     got, want = full_params(model), full_params(ref)
-    return str(stuck.value).split(":")[0], type(model).__name__, max((got[k] - want[k]).abs().max().item() for k in want)
+    return (str(stuck.value).split(":")[0], type(model).__name__,
+            max((got[k] - want[k]).abs().max().item() for k in want))
 
 
 def test_reset_iter_state_recovers_after_a_forward_raised() -> None:

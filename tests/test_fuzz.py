@@ -21,7 +21,8 @@ from ringlet.testing import run_threads
 from ringlet.testing.procs import run_world
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-_SETTINGS: dict[str, Any] = {"deadline": None, "suppress_health_check": list(HealthCheck), "database": None}
+_SETTINGS: dict[str, Any] = {"deadline": None, "suppress_health_check": list(HealthCheck),
+                             "database": None}
 
 
 def assert_clean(results: list[dict[str, Any]]) -> None:
@@ -50,11 +51,12 @@ def run_in_processes(batch: list[dict[str, Any]], backend: str = "shm") -> list[
     """Run ``batch`` on 2 processes; fail naming the case a rank died or hung in."""
     with tempfile.TemporaryDirectory(prefix="ringlet-fuzz-") as d:
         progress = os.path.join(d, "progress")
-        results = run_world(2, run_cases, batch, progress, backend=backend, timeout=240.0, op_timeout=5.0)
+        results = run_world(2, run_cases, batch, progress, backend=backend, timeout=240.0,
+                            op_timeout=5.0)
         for r in results:
             if r.exitcode != 0 or r.exc_type is not None:
-                raise AssertionError(f"rank {r.rank}: {r.exc_type}, exit code {r.exitcode}, in case "
-                                     f"{_crashed_case(progress, r.rank)}: {r.message[:2000]}")
+                raise AssertionError(f"rank {r.rank}: {r.exc_type}, exit code {r.exitcode}, in "
+                                     f"case {_crashed_case(progress, r.rank)}: {r.message[:2000]}")
         return [r.value for r in results]
 
 

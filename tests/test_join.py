@@ -66,8 +66,10 @@ def _uneven(rank: int, world_size: int, iters: list[int]) -> dict[str, Any]:
         for _ in range(iters[rank]):
             c.step()
     actives = [int(w.result()[0].item()) for w in c.works]
-    return {"total": c.total.item(), "shadowed": c.shadowed, "last": c.last_joiner, "actives": actives,
-            "kwargs": c.hook_kwargs, "other_works": other.works, "after": Join.notify_join_context(c)}
+    return {"total": c.total.item(), "shadowed": c.shadowed, "last": c.last_joiner,
+            "actives": actives,
+            "kwargs": c.hook_kwargs, "other_works": other.works,
+            "after": Join.notify_join_context(c)}
 
 
 @pytest.mark.timeout(30)

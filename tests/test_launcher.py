@@ -397,7 +397,8 @@ def test_module_and_no_python_modes(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_startup_errors_and_mirror_module(tmp_path: Path) -> None:
-    with _launcher(tmp_path, "--nnodes", "2", "--node-rank", "1", "t.py", module="ringlet.distributed.run") as proc:
+    with _launcher(tmp_path, "--nnodes", "2", "--node-rank", "1", "t.py",
+                   module="ringlet.distributed.run") as proc:
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "expected --master-port" in err, err
     code, _, err, _ = _launch(tmp_path, "--nproc-per-node", "zero", "t.py")

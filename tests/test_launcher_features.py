@@ -34,14 +34,17 @@ def test_stream_specs_and_plans() -> None:
     assert parse_std("3") == (3, {}) and parse_std("0:1, 1:2") == (0, {0: 1, 1: 2})
     assert parse_ranks_filter("") is None and parse_ranks_filter("0,2") == frozenset({0, 2})
     plain = stream_plan(0, None, "0", "0", "")
-    assert (plain.console_out, plain.console_err, plain.file_out, plain.file_err) == (True, True, False, False)
+    assert (plain.console_out, plain.console_err, plain.file_out,
+            plain.file_err) == (True, True, False, False)
     logged = stream_plan(1, "/logs", "0", "0", "0")       # --log-dir: files for everything
     assert (logged.console_out, logged.file_out, logged.file_err) == (False, True, True)
     redirected = stream_plan(0, None, "0:1", "1:2", "")    # rank 0: stdout to file only
-    assert (redirected.console_out, redirected.console_err, redirected.file_out) == (False, True, True)
+    assert (redirected.console_out, redirected.console_err,
+            redirected.file_out) == (False, True, True)
     teed = stream_plan(1, None, "0:1", "1:2", "")          # rank 1: stderr to file and console
     assert (teed.console_err, teed.file_err, teed.file_out) == (True, True, False)
-    assert not wants_files(None, "0", "0:0") and wants_files(None, "0", "1:2") and wants_files("/d", "0", "0")
+    assert (not wants_files(None, "0", "0:0") and wants_files(None, "0", "1:2")
+            and wants_files("/d", "0", "0"))
     assert log_paths("/r", 2, 3) == ("/r/attempt_2/3/stdout.log", "/r/attempt_2/3/stderr.log")
 
 
@@ -65,7 +68,8 @@ def test_new_flags_and_legacy_launch_parsing() -> None:
     env = worker_env(cfg, 0, 0, 1, run_id="r", run_dir="/d", token_file="/t", base_env={},
                      heartbeat_file="/d/hb")
     assert env["RINGLET_HEARTBEAT_FILE"] == "/d/hb"
-    assert "RINGLET_HEARTBEAT_FILE" not in worker_env(cfg, 0, 0, 1, run_id="r", run_dir="/d", token_file="/t",
+    assert "RINGLET_HEARTBEAT_FILE" not in worker_env(cfg, 0, 0, 1, run_id="r", run_dir="/d",
+                                                      token_file="/t",
                                                       base_env={"RINGLET_HEARTBEAT_FILE": "/x"})
 
 
@@ -108,7 +112,8 @@ def test_log_dir_redirects_filter_and_summary(tmp_path: Path) -> None:
             raise ValueError(f"boom in gen {gen}")
     """)
     logs = tmp_path / "logs"
-    code, out, err, _ = _launch(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-id", "job",
+    code, out, err, _ = _launch(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1",
+                                "--rdzv-id", "job",
                                 "--log-dir", str(logs), "-r", "1:1", "--local-ranks-filter", "1",
                                 str(script), str(tmp_path))
     assert code == 1
@@ -132,7 +137,8 @@ def test_tee_without_log_dir_uses_a_fresh_folder(tmp_path: Path) -> None:
         print(f"out {RANK}")
         print(f"err {RANK}", file=sys.stderr)
     """)
-    code, out, err, _ = _launch(tmp_path, "--nproc-per-node", "1", "-t", "2", str(script), str(tmp_path))
+    code, out, err, _ = _launch(tmp_path, "--nproc-per-node", "1", "-t", "2", str(script),
+                                str(tmp_path))
     assert code == 0, err
     root = Path(re.search(r"worker logs: (\S+)/attempt_<n>", err).group(1))  # type: ignore[union-attr]
     try:
@@ -150,7 +156,8 @@ def test_prefix_is_coloured_on_a_terminal_only(tmp_path: Path) -> None:
     script = _script(tmp_path, 'print("hi", RANK)\n')
     main, child = pty.openpty()
     try:
-        proc = subprocess.run([sys.executable, "-m", "ringlet.launcher.run", "--nproc-per-node", "2",
+        proc = subprocess.run([sys.executable, "-m", "ringlet.launcher.run",
+                               "--nproc-per-node", "2",
                                str(script), str(tmp_path)], cwd=tmp_path, env=_env(), stdout=child,
                               stderr=subprocess.PIPE, timeout=30)
         os.close(child)
@@ -176,16 +183,20 @@ def test_prefix_is_coloured_on_a_terminal_only(tmp_path: Path) -> None:
 @pytest.mark.timeout(90)
 def test_legacy_launch_passes_local_rank(tmp_path: Path) -> None:
     script = tmp_path / "old.py"
-    script.write_text('import os, sys\nprint("argv", os.environ["RANK"], os.environ["LOCAL_RANK"], *sys.argv[1:])\n')
+    script.write_text('import os, sys\nprint("argv", os.environ["RANK"], os.environ["LOCAL_RANK"], '
+                      '*sys.argv[1:])\n')
     for flags, expect in (([], "--local-rank={lr}"), (["--local_rank_spelling", "underscore"],
-                                                          "--local_rank={lr}"), (["--use-env"], "")):
+                                                          "--local_rank={lr}"),
+                          (["--use-env"], "")):
         with _launcher(tmp_path, "--nproc-per-node", "2", *flags, str(script), "x",
                        module="ringlet.launcher.launch") as proc:
             out, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
         rows = sorted(line.split(maxsplit=1)[1] for line in out.splitlines() if " argv " in line)
         # the flag comes right after the script, before its own arguments (as torch's launch)
-        assert rows == [f"argv {lr} {lr} {expect.format(lr=lr)} x".replace("  ", " ") for lr in (0, 1)], rows
+        assert (rows
+                == [f"argv {lr} {lr} {expect.format(lr=lr)} x".replace("  ", " ")
+                    for lr in (0, 1)]), rows
         assert "deprecated" in err
 
 
@@ -193,7 +204,8 @@ def test_legacy_launch_passes_local_rank(tmp_path: Path) -> None:
 def test_torch_path_of_the_legacy_launcher(tmp_path: Path) -> None:
     script = tmp_path / "old.py"
     script.write_text('import sys\nprint("argv", *sys.argv[1:])\n')
-    with _launcher(tmp_path, "--nproc-per-node", "1", str(script), module="ringlet.distributed.launch") as proc:
+    with _launcher(tmp_path, "--nproc-per-node", "1", str(script),
+                   module="ringlet.distributed.launch") as proc:
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "[rank0]: argv --local-rank=0" in out
@@ -223,7 +235,8 @@ def test_record_reaches_the_summary_without_the_bootstrap(tmp_path: Path) -> Non
                                  str(tmp_path / "rec.py"), timeout=60)
     assert code == 1
     summary = err[err.index("job failed"):]
-    assert "KeyError: 'recorded-key'" in summary and 'in helper' in summary and "traceback:" in summary
+    assert ("KeyError: 'recorded-key'" in summary and 'in helper' in summary
+            and "traceback:" in summary)
 
 
 def test_record_at_torchs_path_and_its_exit_rules() -> None:
@@ -266,15 +279,19 @@ print("finished generation", gen)
 @pytest.mark.timeout(120)
 def test_hung_worker_is_killed_and_counts_as_a_failure(tmp_path: Path) -> None:
     (tmp_path / "hang.py").write_text(_HANGS)
-    code, out, err, elapsed = _launch(tmp_path, "--nproc-per-node", "2", "--heartbeat-timeout", "1.2",
+    code, out, err, elapsed = _launch(tmp_path, "--nproc-per-node", "2",
+                                      "--heartbeat-timeout", "1.2",
                                       "--max-restarts", "1", str(tmp_path / "hang.py"), timeout=100)
     assert code == 0, err
     assert "[rank1]: hanging now" in out
-    assert re.search(r"rank 1 \(pid \d+\) failed with no progress for 1\.\d s \(--heartbeat-timeout\); "
-                     r"hung, killed with SIGKILL; restarting workers \(1/1\)", err), err
+    assert re.search(r"rank 1 \(pid \d+\) failed with no progress for 1\.\d s "
+                     r"\(--heartbeat-timeout\); hung, killed with SIGKILL; restarting workers "
+                     r"\(1/1\)", err), err
     # its stacks, printed before the kill, show where it hung
-    assert "most recent call first" in err and re.search(r'hang\.py", line 1\d in <module>', err), err
-    assert out.count("finished generation 1") == 2 and "rank0" not in err.split("restarting")[0][-200:]
+    assert ("most recent call first" in err
+            and re.search(r'hang\.py", line 1\d in <module>', err)), err
+    assert (out.count("finished generation 1") == 2
+            and "rank0" not in err.split("restarting")[0][-200:])
 
 
 _SLEEPS = PRELUDE + """
@@ -293,7 +310,8 @@ def test_launcher_blocks_while_its_workers_run(tmp_path: Path) -> None:
     """The launcher's main thread sleeps in select() on the workers' pidfds: it does not wake up
     every --monitor-interval (0.1 s by default) while nothing happens."""
     (tmp_path / "job.py").write_text(_SLEEPS)
-    with _launcher(tmp_path, "--nproc-per-node", "2", str(tmp_path / "job.py"), str(tmp_path)) as proc:
+    with _launcher(tmp_path, "--nproc-per-node", "2", str(tmp_path / "job.py"),
+                   str(tmp_path)) as proc:
         _wait_for(lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid1").exists())
         time.sleep(0.3)
         before = _voluntary_switches(proc.pid)

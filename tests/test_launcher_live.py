@@ -27,8 +27,8 @@ if rank == 0:
 
 def _run_on_a_pty(args: list[str], env: dict[str, str], timeout: float = 60.0) -> bytes:
     master, slave = pty.openpty()
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, close_fds=True,
-                            env=env)
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+                            close_fds=True, env=env)
     os.close(slave)
     out = b""
     deadline = time.monotonic() + timeout

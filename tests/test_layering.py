@@ -83,7 +83,8 @@ def test_imports_flow_downwards() -> None:
             if theirs is None or theirs[0] == mine[0]:
                 continue
             if theirs[1] > mine[1] or (theirs[1] == mine[1] and theirs[0] != mine[0]):
-                bad.append(f"{path}:{line}: {module} (layer {mine[1]}) imports {name} (layer {theirs[1]})")
+                bad.append(f"{path}:{line}: {module} (layer {mine[1]}) imports {name} (layer "
+                           f"{theirs[1]})")
     assert not bad, "\n".join(bad)
 
 

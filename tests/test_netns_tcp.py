@@ -30,7 +30,8 @@ def _env() -> dict[str, str]:
 def _start_2x2(net: SimNet, mode: str, out: Path, backend: str, timeout: float) -> None:
     for rank in range(4):
         host = rank // 2
-        net.start(host, [sys.executable, WORKER, mode, str(rank), "4", str(out), net.addrs[0], backend,
+        net.start(host, [sys.executable, WORKER, mode, str(rank), "4", str(out),
+                         net.addrs[0], backend,
                          str(timeout)], env=_env(), log=str(out / f"log{rank}"))
 
 
@@ -59,7 +60,8 @@ def test_two_hosts_every_collective_then_a_cut_link(tmp_path: Path) -> None:
         deadline = time.monotonic() + 120
         while not all((tmp_path / f"looping{r}").exists() for r in range(4)):
             if time.monotonic() > deadline or any(p.poll() is not None for p in net.procs):
-                pytest.fail(f"ranks did not reach the cut phase: {_results(tmp_path, 4)} {_logs(tmp_path)}")
+                pytest.fail(f"ranks did not reach the cut phase: {_results(tmp_path, 4)} "
+                            f"{_logs(tmp_path)}")
             time.sleep(0.05)
         net.cut(1)
         net.wait_all(T + 20)

@@ -22,9 +22,10 @@ def _join_all(specs: list[tuple[int, int]], timeout: float = 2.0) -> list[str]:
     def body(i: int, rank: int, ws: int) -> None:
         _world._thread_mode.set(True)
         try:
-            # One store object per "process", sharing the data (like TCPStore clients of one server).
-            dist.init_process_group("inproc", store=PrefixStore("job", store), rank=rank, world_size=ws,
-                                    timeout=timedelta(seconds=timeout))
+            # One store object per "process", sharing the data (like TCPStore clients of one
+            # server).
+            dist.init_process_group("inproc", store=PrefixStore("job", store), rank=rank,
+                                    world_size=ws, timeout=timedelta(seconds=timeout))
             out[i] = "ok"
         except Exception as e:
             out[i] = f"{type(e).__name__}: {e}"

@@ -26,10 +26,10 @@ def test_same_indices_as_torch_for_many_arguments() -> None:
             [0, 1, 2, 5, 7, 10, 16, 17, 23], [1, 2, 3, 4, 5], [True, False], [True, False], [0, 3]):
         data = _Data(length)
         for rank in range(replicas):
-            ours = DistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed,
-                                      drop_last=drop_last)
-            theirs = tdata.DistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed,
-                                              drop_last=drop_last)
+            ours = DistributedSampler(data, num_replicas=replicas, rank=rank,
+                                      shuffle=shuffle, seed=seed, drop_last=drop_last)
+            theirs = tdata.DistributedSampler(data, num_replicas=replicas, rank=rank,
+                                              shuffle=shuffle, seed=seed, drop_last=drop_last)
             for epoch in (0, 1, 7):
                 ours.set_epoch(epoch)
                 theirs.set_epoch(epoch)
@@ -78,4 +78,5 @@ def test_defaults_come_from_the_default_group() -> None:
     got = run_threads(_defaults, 3)
     for rank, (replicas, r, indices) in enumerate(got):
         assert (replicas, r) == (3, rank)
-        assert indices == list(tdata.DistributedSampler(_Data(11), num_replicas=3, rank=rank, seed=1))
+        assert indices == list(tdata.DistributedSampler(_Data(11), num_replicas=3,
+                                                        rank=rank, seed=1))

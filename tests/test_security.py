@@ -50,9 +50,11 @@ def _wait_for(path: Path, seconds: float) -> bool:
 
 # -- 1. restricted object mode -------------------------------------------------------------------
 @pytest.mark.parametrize("name", CALLABLE_GADGETS)
-def test_gadget_is_live_in_trusting_mode(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gadget_is_live_in_trusting_mode(name: str, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Control: each gadget of the corpus really runs code when decoded by a trusting receiver, so
-    the restricted-mode test below proves something (the old allowlist let some of these through)."""
+    the restricted-mode test below proves something (the old allowlist let some of these
+    through)."""
     monkeypatch.delenv("RINGLET_SAFE_OBJECTS", raising=False)
     sentinel = tmp_path / "pwned"
     payload, _ = W.gadgets(str(sentinel), str(tmp_path))[name]
@@ -63,8 +65,8 @@ def test_gadget_is_live_in_trusting_mode(name: str, tmp_path: Path, monkeypatch:
     assert _wait_for(sentinel, 5.0), f"gadget {name} did not run even in trusting mode"
 
 
-def test_gadget_corpus_refused_in_restricted_mode_in_process(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gadget_corpus_refused_in_restricted_mode_in_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RINGLET_SAFE_OBJECTS", "1")
     sentinel = tmp_path / "pwned"
     for name, (payload, must_name) in W.gadgets(str(sentinel), str(tmp_path)).items():
@@ -88,8 +90,8 @@ def test_gadget_corpus_refused_across_processes(tmp_path: Path) -> None:
     raise_first(res)
     corpus = W.gadgets(str(sentinel), str(tmp_path))
     for name, outcome in zip(names, res[1].value, strict=True):
-        assert outcome.startswith("UnpicklingError") and "refuses the object from rank 0" in outcome, (
-            name, outcome)
+        assert (outcome.startswith("UnpicklingError")
+                and "refuses the object from rank 0" in outcome), (name, outcome)
         assert corpus[name][1] in outcome, (name, outcome)
     time.sleep(0.2)
     assert not sentinel.exists()
@@ -156,7 +158,8 @@ def _no_token_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def _child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGLET_STORE_TOKEN")}
     env.pop("RINGLET_RUNTIME_DIR", None)
-    env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]), OMP_NUM_THREADS="1", **extra)
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
+               OMP_NUM_THREADS="1", **extra)
     return env
 
 
@@ -200,7 +203,8 @@ def test_secret_file_is_private_and_goes_with_the_server(monkeypatch: pytest.Mon
     assert not path.exists()
 
 
-def test_squatted_secret_directory_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_squatted_secret_directory_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
     _no_token_env(monkeypatch)
     squat = tmp_path / "squat"
     squat.mkdir(mode=0o755)
@@ -210,7 +214,8 @@ def test_squatted_secret_directory_is_refused(monkeypatch: pytest.MonkeyPatch, t
         _master()
 
 
-def test_process_without_the_secret_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_process_without_the_secret_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
     """What another host, or a process that only reached the store's port, sees: refused at once
     with a message saying that jobs across hosts need a shared run token."""
     _no_token_env(monkeypatch)
@@ -218,8 +223,8 @@ def test_process_without_the_secret_is_refused(monkeypatch: pytest.MonkeyPatch, 
     try:
         monkeypatch.setenv("RINGLET_RUNTIME_DIR", str(tmp_path / "elsewhere"))
         started = time.monotonic()
-        with pytest.raises(DistStoreError, match="bad run token.*only processes of its user on its host.*"
-                                                 "RINGLET_STORE_TOKEN_FILE"):
+        with pytest.raises(DistStoreError, match="bad run token.*only processes of its user on its "
+                                                 "host.*RINGLET_STORE_TOKEN_FILE"):
             TCPStore("127.0.0.1", server.port, timeout=SHORT)
         assert time.monotonic() - started < 1.0
     finally:
@@ -257,7 +262,8 @@ print(json.dumps(out))
 """
 
 
-def test_another_user_cannot_join_the_store_or_read_its_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_another_user_cannot_join_the_store_or_read_its_secret(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to run a process as another user")
     _no_token_env(monkeypatch)
@@ -265,7 +271,8 @@ def test_another_user_cannot_join_the_store_or_read_its_secret(monkeypatch: pyte
     try:
         from ringlet.store._secret import secret_dir
 
-        path = os.path.join(str(secret_dir(create=False)), f"store-{server._server.secret_id}.secret")
+        path = os.path.join(str(secret_dir(create=False)),
+                            f"store-{server._server.secret_id}.secret")
         proc = subprocess.run([sys.executable, "-c", _AS_OTHER_USER, str(server.port), path],
                               env=_child_env(), capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, proc.stderr
@@ -281,7 +288,8 @@ def _wait_file(path: Path, procs: list[subprocess.Popen[bytes]], seconds: float)
     deadline = time.monotonic() + seconds
     while not path.exists():
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            logs = [p.stderr.read().decode()[-2000:] if p.poll() is not None and p.stderr else "" for p in procs]
+            logs = [p.stderr.read().decode()[-2000:] if p.poll() is not None and p.stderr else ""
+                    for p in procs]
             pytest.fail(f"{path.name} never appeared; ranks: {[p.poll() for p in procs]} {logs}")
         time.sleep(0.01)
 
@@ -313,7 +321,8 @@ def test_tcp_setup_refuses_injection_and_survives_a_flood(monkeypatch: pytest.Mo
         # (b) the injection of issue 16: handshake as rank 1 with the group id but no secret
         sock = socket.create_connection(("127.0.0.1", mesh0["port"]), timeout=5)
         attack.append(sock)
-        with pytest.raises(DistNetworkError, match="refused this rank's connection: a bad run token"):
+        with pytest.raises(DistNetworkError,
+                           match="refused this rank's connection: a bad run token"):
             wire.connect_handshake(sock, 1, 0, 0, None, bytes.fromhex(mesh0["gid"]),
                                    time.monotonic() + 5, "rank 0")
         # (c) the flood
@@ -325,7 +334,8 @@ def test_tcp_setup_refuses_injection_and_survives_a_flood(monkeypatch: pytest.Mo
         flag.write_text("go")
         for p in procs:
             p.wait(timeout=60)
-        assert [p.returncode for p in procs] == [0, 0], [p.stderr.read().decode()[-3000:] for p in procs if p.stderr]
+        assert ([p.returncode for p in procs]
+                == [0, 0]), ([p.stderr.read().decode()[-3000:] for p in procs if p.stderr])
         res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
         assert [r["value"] for r in res] == [3.0, 3.0]
         assert res[1]["after_flag_s"] < 1.5, res   # normal set-up takes milliseconds
@@ -339,7 +349,8 @@ def test_tcp_setup_refuses_injection_and_survives_a_flood(monkeypatch: pytest.Mo
         server.close()
 
 
-# -- 4. nothing left behind -------------------------------------------------------------------------
+# -- 4. nothing left behind
+# -------------------------------------------------------------------------
 _EMFILE_SERVER = """
 import os, resource, sys, time
 from ringlet.store import TCPStore
@@ -372,7 +383,8 @@ def test_store_server_backs_off_when_out_of_file_descriptors() -> None:
         before = _cpu_seconds(proc.pid)
         time.sleep(1.0)
         used = _cpu_seconds(proc.pid) - before
-        assert used < 0.3, f"the store server used {used:.2f} s of CPU in 1 s while out of descriptors"
+        assert used < 0.3, (f"the store server used {used:.2f} s of CPU in 1 s while out of "
+                            "descriptors")
         for s in socks:
             s.close()
         socks.clear()
@@ -410,7 +422,8 @@ def test_segments_of_dead_creators_are_swept_and_nothing_else() -> None:
     stale = _fake_segment(f"ringlet-{ns}-{dead}-{'a' * 16}")
     live = _fake_segment(f"ringlet-{ns}-{os.getpid()}-{'b' * 16}")
     other_ns = _fake_segment(f"ringlet-{ns + 1}-{dead}-{'c' * 16}")
-    foreign = _fake_segment(f"ringlet-{ns}-{dead}-{'d' * 16}", uid=65534) if os.geteuid() == 0 else None
+    foreign = (_fake_segment(f"ringlet-{ns}-{dead}-{'d' * 16}", uid=65534)
+               if os.geteuid() == 0 else None)
     try:
         removed = _segments.sweep_stale()
         assert stale.name in removed and not stale.exists()
@@ -446,7 +459,8 @@ def reveal(*args):
     (out / "segment").write_text(made[1])
     return made
 def die(*args):
-    os.kill(os.getpid(), signal.SIGKILL)     # killed after rank 0 created the arena, before attaching
+    # killed after rank 0 created the arena, before attaching
+    os.kill(os.getpid(), signal.SIGKILL)
 shm._create_segment = reveal
 shm._attach_segment = die
 dist.init_process_group("shm")
@@ -472,8 +486,10 @@ def test_launcher_refuses_more_workers_than_the_machine_allows(tmp_path: Path) -
     script = tmp_path / "job.py"
     script.write_text("raise SystemExit('must not run')\n")
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "ringlet.launcher.run", "--nproc-per-node", "100000",
-                           str(script)], env=_child_env(), capture_output=True, text=True, timeout=30)
+    proc = subprocess.run([sys.executable, "-m", "ringlet.launcher.run",
+                           "--nproc-per-node", "100000",
+                           str(script)], env=_child_env(), capture_output=True,
+                          text=True, timeout=30)
     assert proc.returncode == 2, proc.stderr
     assert "expected --nproc-per-node <= " in proc.stderr and "got 100000" in proc.stderr
     assert "Traceback" not in proc.stderr and time.monotonic() - started < 10
@@ -497,10 +513,11 @@ main(sys.argv[1:])
 
 def test_failed_fork_is_a_clear_error_and_stops_the_started_workers(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
-    script.write_text("import os, time\nopen(f'{os.environ[\"RANK\"]}.pid', 'w').write(str(os.getpid()))\n"
-                      "time.sleep(60)\n")
+    script.write_text("import os, time\nopen(f'{os.environ[\"RANK\"]}.pid', "
+                      "'w').write(str(os.getpid()))\ntime.sleep(60)\n")
     proc = subprocess.run([sys.executable, "-c", _FORK_FAILS, "--nproc-per-node", "3", str(script)],
-                          env=_child_env(), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+                          env=_child_env(), capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr
     assert "could not start the worker of rank 1 (local rank 1; 1 of 3 started)" in proc.stderr
     assert "Resource temporarily unavailable" in proc.stderr and "Traceback" not in proc.stderr
@@ -522,7 +539,8 @@ out = sys.argv[1]
 rank = os.environ["RANK"]
 sleeper = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
 # a child in its own session: the worker's process group never reaches it
-subprocess.Popen([sys.executable, "-c", "import os; os.setsid(); " + sleeper, f"{out}/setsid{rank}"])
+subprocess.Popen([sys.executable, "-c", "import os; os.setsid(); " + sleeper,
+                  f"{out}/setsid{rank}"])
 # a double-forked daemon: its parent exits at once, so it is orphaned while the worker still runs
 if os.fork() == 0:
     os.setsid()
@@ -531,7 +549,8 @@ if os.fork() == 0:
     os._exit(0)
 os.wait()
 deadline = time.time() + 20
-while not all(os.path.exists(f"{out}/{k}{rank}") for k in ("setsid", "daemon")) and time.time() < deadline:
+while (not all(os.path.exists(f"{out}/{k}{rank}") for k in ("setsid", "daemon"))
+       and time.time() < deadline):
     time.sleep(0.01)
 sys.exit(int(sys.argv[2]) if rank == "1" else 0)
 """

@@ -20,8 +20,8 @@ import subprocess
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARCH = ROOT / "docs" / "architecture.md"
 RELI = ROOT / "docs" / "reliability.md"
-_SKIP_DIRS = {".git", ".venv", "__pycache__", "build", "runs", "out", ".pytest_cache", ".mypy_cache",
-              ".ruff_cache", ".hypothesis"}
+_SKIP_DIRS = {".git", ".venv", "__pycache__", "build", "runs", "out", ".pytest_cache",
+              ".mypy_cache", ".ruff_cache", ".hypothesis"}
 
 # Written so that this file does not match itself: the guides' names as whole upper-case words
 # (with or without ``.md``), and paths that leave the checkout for the team's shared folder.
@@ -31,7 +31,8 @@ _OUTSIDE = re.compile(rb"\b(?:DESIG[N]|RELIABILIT[Y]|STYL[E])\b|\.\./share[d]\b|
 def _repo_files() -> list[pathlib.Path]:
     """Tracked files and new ones git does not ignore; without git, a walk of the tree."""
     try:
-        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                              "--exclude-standard"],
                              cwd=ROOT, capture_output=True, check=True, timeout=30).stdout
         names = [n for n in out.decode().split("\0") if n]
     except (OSError, subprocess.SubprocessError):
@@ -59,8 +60,8 @@ def test_no_file_cites_documents_outside_the_repository() -> None:
             if _OUTSIDE.search(line):
                 text = line.decode("utf-8", "replace").strip()[:100]
                 bad.append(f"{path.relative_to(ROOT)}:{i}: {text}")
-    assert not bad, ("files cite documents outside the repository; point them at docs/architecture.md "
-                     "or docs/reliability.md instead:\n" + "\n".join(bad))
+    assert not bad, ("files cite documents outside the repository; point them at "
+                     "docs/architecture.md or docs/reliability.md instead:\n" + "\n".join(bad))
 
 
 # -- what the two pages cite -----------------------------------------------------------------------
@@ -76,7 +77,8 @@ def _defines(path: pathlib.Path, dotted: str) -> bool:
     for part in dotted.split("."):
         found = None
         for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == part:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                 ast.ClassDef)) and node.name == part:
                 found = node
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -123,13 +125,16 @@ def _note_definitions(files: list[pathlib.Path] | None = None) -> dict[str, set[
 
 def test_notes_table_lists_every_note_where_it_is_written() -> None:
     defs = _note_definitions()
-    rows = dict(re.findall(r"^\| \[Note: ([^\]]+)\] \| `([^`]+)` \|", ARCH.read_text(), re.MULTILINE))
+    rows = dict(re.findall(r"^\| \[Note: ([^\]]+)\] \| `([^`]+)` \|", ARCH.read_text(),
+                           re.MULTILINE))
     wrong = [f"[Note: {n}]: the table says {f}, written in {sorted(defs.get(n, ())) or 'no file'}"
              for n, f in rows.items() if f not in defs.get(n, ())]
     # Completeness over the repository's files (work in progress that git does not know yet may
     # add notes before its row); the rows themselves may point at any file on disk.
-    known = [p for p in _repo_files() if p.suffix == ".py" and p.parts[len(ROOT.parts)] == "ringlet"]
-    missing = [f"[Note: {n}] (written in {sorted(fs)})" for n, fs in _note_definitions(known).items()
+    known = [p for p in _repo_files()
+             if p.suffix == ".py" and p.parts[len(ROOT.parts)] == "ringlet"]
+    missing = [f"[Note: {n}] (written in {sorted(fs)})"
+               for n, fs in _note_definitions(known).items()
                if n not in rows]
     assert not wrong, "docs/architecture.md's notes table is wrong:\n" + "\n".join(wrong)
     assert not missing, ("notes missing from the table in docs/architecture.md#notes-in-the-code "
@@ -174,5 +179,6 @@ def test_anchors_and_rows_cited_anywhere_exist() -> None:
                     ids = re.findall(r"[A-Z]\d+", rid)
                     bad += [f"{path.relative_to(ROOT)}: row {i} (no such row)"
                             for i in ids if i not in rows]
-    assert not bad, ("citations of docs/architecture.md / docs/reliability.md that do not resolve:\n"
+    assert not bad, ("citations of docs/architecture.md / docs/reliability.md that do not "
+                     "resolve:\n"
                      + "\n".join(bad))

@@ -421,8 +421,8 @@ def test_wait_for_workers_names_missing_ranks(monkeypatch: pytest.MonkeyPatch) -
         joiner.start()
         started = time.monotonic()
         with pytest.raises(DistStoreError) as info:
-            TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=0.7), master_listen_fd=pre.fileno(),
-                     rank=0)
+            TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=0.7),
+                     master_listen_fd=pre.fileno(), rank=0)
         assert 0.7 <= time.monotonic() - started < 2.0
         joiner.join(5)
         for client in clients:
@@ -831,7 +831,8 @@ def test_queue_semantics(make_store: StoreMaker) -> None:
         store.queue_pop("sk", block=False)
     store.set_timeout(timedelta(seconds=T))
     started = time.monotonic()
-    with pytest.raises(DistStoreError, match=r"queue_pop for keys \['(pfx/)?q'\] timed out") as info:
+    with pytest.raises(DistStoreError,
+                       match=r"queue_pop for keys \['(pfx/)?q'\] timed out") as info:
         store.queue_pop("q")
     assert not isinstance(info.value, QueueEmptyError)
     assert T <= time.monotonic() - started < T + 0.5
@@ -854,7 +855,8 @@ def test_blocking_pop_woken_by_push_from_a_clone(make_store: StoreMaker) -> None
     finally:
         if isinstance(twin, TCPStore | FileStore):
             twin.close()
-        elif isinstance(twin, PrefixStore) and isinstance(twin.underlying_store, TCPStore | FileStore):
+        elif isinstance(twin,
+                        PrefixStore) and isinstance(twin.underlying_store, TCPStore | FileStore):
             twin.underlying_store.close()
 
 

@@ -91,7 +91,8 @@ def test_report_stragglers_measures_each_ranks_own_interval() -> None:
         time.sleep(0.2)
         return dist.report_stragglers()
     lines = run_threads(body, 2)[0]
-    share = {int(m[1]): int(m[2]) for m in (re.search(r"rank (\d+): waiting is (\d+)% of the last", x)
+    share = {int(m[1]): int(m[2]) for m in (re.search(r"rank (\d+): waiting is (\d+)% of the last",
+                                                      x)
                                              for x in lines) if m}
     # rank 0 waited ~0.6 s of ~0.8 s (75%); rank 1 barely waited
     assert 55 <= share[0] <= 95 and share[1] <= 15, lines

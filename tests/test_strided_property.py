@@ -37,7 +37,8 @@ def _body(rank: int, n: int, rows: int, cols: int, kind: str, op: str) -> bool:
     untouched = torch.ones_like(buf, dtype=torch.bool)
     _view(untouched, kind).fill_(False)
     before = buf[untouched].clone()
-    allv = [_view((torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) + 3 * r) % 7, kind)
+    allv = [_view((torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) + 3 * r) % 7,
+                  kind)
             for r in range(n)]
     if op == "all_reduce":
         dist.all_reduce(v)

@@ -27,14 +27,17 @@ def test_parity_with_batchnorm_on_the_full_batch(kind: str) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sizes", [[3, 5], [0, 6], [2, 3, 1]], ids=["uneven", "empty-rank", "three-ranks"])
+@pytest.mark.parametrize("sizes", [[3, 5], [0, 6], [2, 3, 1]],
+                         ids=["uneven", "empty-rank", "three-ranks"])
 def test_uneven_and_empty_batches(sizes: list[int]) -> None:
     run_threads(sbn_parity, len(sizes), "2d", sizes, {})
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kwargs", [{"momentum": None}, {"affine": False}, {"track_running_stats": False},
-                                    {"eps": 1e-2, "momentum": 0.5}], ids=["cumulative", "no-affine", "no-stats",
+@pytest.mark.parametrize("kwargs", [{"momentum": None}, {"affine": False},
+                                    {"track_running_stats": False},
+                                    {"eps": 1e-2, "momentum": 0.5}], ids=["cumulative",
+                                                                          "no-affine", "no-stats",
                                                                             "eps-momentum"])
 def test_constructor_options(kwargs: dict[str, Any]) -> None:
     run_threads(sbn_parity, 2, "1d", [3, 4], kwargs)
@@ -42,7 +45,8 @@ def test_constructor_options(kwargs: dict[str, Any]) -> None:
 
 def _convert(rank: int, world_size: int) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6),
-                                torch.nn.Sequential(torch.nn.Unflatten(1, (6, 1, 1)), torch.nn.BatchNorm2d(6)))
+                                torch.nn.Sequential(torch.nn.Unflatten(1, (6, 1, 1)),
+                                                    torch.nn.BatchNorm2d(6)))
     model[2][1].eval()
     model[1].weight.requires_grad_(False)
     model(torch.randn(5, 4))    # some running statistics to carry over

@@ -76,7 +76,8 @@ def test_simulated_hosts_on_one_kernel_share_its_cpus() -> None:
     keys = ["h/4026531840/1b2c3d4e", "h/4026531840/1b2c3d4e", "h/4026532001/1b2c3d4e",
             "h/4026532001/1b2c3d4e", "other/4026531840/99aa77ff"]
     assert [same_kernel(keys, r) for r in range(5)] == [4, 4, 4, 4, 1]
-    assert same_kernel(["a/1/?", "b/1/?"], 0) == 1        # unknown boot id: only the host key counts
+    # unknown boot id: only the host key counts
+    assert same_kernel(["a/1/?", "b/1/?"], 0) == 1
     layout = ArenaLayout(2, 4096, 4096)
     arena = Arena(bytearray(layout.total), layout, 0, alive=lambda r: True, describe_peer=str)
     arena.share_cpus(2 * usable_cpus())
@@ -112,7 +113,8 @@ def _handshake(token_a: bytes | None, token_c: bytes | None, claim: int = 1,
             sock, _ = srv.accept()
             with sock:
                 try:
-                    results["a"] = wire.accept_handshake(sock, 0, token_a, b"gid", {(1, 0): expected_ip},
+                    results["a"] = wire.accept_handshake(sock, 0, token_a, b"gid",
+                                                         {(1, 0): expected_ip},
                                                          time.monotonic() + 5)
                 except Exception as e:
                     results["a"] = e
@@ -120,7 +122,8 @@ def _handshake(token_a: bytes | None, token_c: bytes | None, claim: int = 1,
         t.start()
         with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
             try:
-                wire.connect_handshake(c, claim, 0, 0, token_c, b"gid", time.monotonic() + 5, "test")
+                wire.connect_handshake(c, claim, 0, 0, token_c, b"gid",
+                                       time.monotonic() + 5, "test")
                 results["c"] = "ok"
             except Exception as e:
                 results["c"] = e
@@ -134,7 +137,8 @@ def test_handshake_checks_token_rank_and_address() -> None:
     assert _handshake(None, None) == ((1, 0), "ok")
     a, c = _handshake(b"tok", b"other")
     assert isinstance(a, DistNetworkError) and "bad run token" in str(a)
-    assert isinstance(c, DistNetworkError) and "refused" in str(c) and "RINGLET_STORE_TOKEN" in str(c)
+    assert (isinstance(c, DistNetworkError) and "refused" in str(c)
+            and "RINGLET_STORE_TOKEN" in str(c))
     a, c = _handshake(b"tok", b"tok", claim=5)
     assert "a rank it did not expect" in str(a) and "claiming rank 5" in str(a)
     a, c = _handshake(b"tok", b"tok", expected_ip="10.9.9.9")   # not the address rank 1 published
@@ -151,7 +155,8 @@ def test_stranger_bytes_are_refused_without_allocating() -> None:
             sock, _ = srv.accept()
             with sock:
                 try:
-                    wire.accept_handshake(sock, 0, b"t", b"g", {(1, 0): "127.0.0.1"}, time.monotonic() + 2)
+                    wire.accept_handshake(sock, 0, b"t", b"g", {(1, 0): "127.0.0.1"},
+                                          time.monotonic() + 2)
                 except Exception as e:
                     out.append(e)
         t = threading.Thread(target=accept)
@@ -182,13 +187,15 @@ def test_fold_order_is_host_major_across_hosts() -> None:
 def test_hierarchical_transport_equals_flat_on_made_up_hosts() -> None:
     """4 ranks on loopback posing as 2 hosts x 2, contiguous and interleaved."""
     layouts = [["a", "a", "b", "b"], ["a", "b", "a", "b"]]
-    for bad in raise_first(run_world(4, _tcp_workers.hier_fake_hosts, layouts, backend="tcp", timeout=100)):
+    for bad in raise_first(run_world(4, _tcp_workers.hier_fake_hosts, layouts, backend="tcp",
+                                     timeout=100)):
         assert bad == [], bad
 
 
 @pytest.mark.timeout(60)
 def test_collectives_over_a_subset_of_the_group() -> None:
-    for bad in raise_first(run_world(3, _tcp_workers.subset_collectives, backend="tcp", timeout=50)):
+    for bad in raise_first(run_world(3, _tcp_workers.subset_collectives, backend="tcp",
+                                     timeout=50)):
         assert bad == [], bad
 
 
@@ -201,15 +208,18 @@ def test_every_collective_over_tcp(n: int) -> None:
     for count, failures in raise_first(run_world(n, _cases.run_all, backend="tcp", timeout=100)):
         assert not failures, "\n".join(failures[:20])
         assert count > 600
-    assert raise_first(run_world(n, _tcp_workers.backend_name, backend="auto", timeout=30)) == ["shm"] * n
+    assert (raise_first(run_world(n, _tcp_workers.backend_name, backend="auto", timeout=30))
+            == ["shm"] * n)
 
 
 @pytest.mark.timeout(120)
 def test_one_connection_per_pair_carries_collectives_and_messages_in_any_order() -> None:
-    res = raise_first(run_world(3, _tcp_workers.shared_connection, backend="tcp", timeout=100, op_timeout=20))
+    res = raise_first(run_world(3, _tcp_workers.shared_connection, backend="tcp", timeout=100,
+                                op_timeout=20))
     for r, got in enumerate(res):
         assert got["sockets_added"] == 2, (r, got)            # one per peer, 3 ranks
-        assert got["a_sum"] and got["b_sum"] and got["c_sum"] and got["d_sums"] and got["small_ok"], (r, got)
+        assert (got["a_sum"] and got["b_sum"] and got["c_sum"] and got["d_sums"]
+                and got["small_ok"]), (r, got)
         if r < 2:
             assert got["d_msg"], (r, got)
     assert res[1]["a_msg"] and res[1]["b_msg"]
@@ -218,7 +228,8 @@ def test_one_connection_per_pair_carries_collectives_and_messages_in_any_order()
 
 @pytest.mark.timeout(60)
 def test_receive_from_a_peer_that_dies_fails_within_a_second() -> None:
-    res = run_world(2, _tcp_workers.recv_from_a_peer_that_dies, backend="tcp", op_timeout=30.0, timeout=40)
+    res = run_world(2, _tcp_workers.recv_from_a_peer_that_dies, backend="tcp",
+                    op_timeout=30.0, timeout=40)
     etype, msg, elapsed = res[0].value
     assert etype == "PeerFailureError" and "rank 1" in msg and "died" in msg, (etype, msg)
     assert elapsed < 1.5, elapsed
@@ -226,14 +237,16 @@ def test_receive_from_a_peer_that_dies_fails_within_a_second() -> None:
 
 @pytest.mark.timeout(60)
 def test_receive_from_any_rank_fails_soon_when_every_peer_left() -> None:
-    etype, msg, took = raise_first(run_world(3, _tcp_workers.any_source_after_peers_left, backend="tcp",
-                                             timeout=50))[0]
-    assert etype == "DistBackendError" and "no rank is left" in msg and took < 5.0, (etype, msg, took)
+    etype, msg, took = raise_first(run_world(3, _tcp_workers.any_source_after_peers_left,
+                                             backend="tcp", timeout=50))[0]
+    assert (etype == "DistBackendError" and "no rank is left" in msg
+            and took < 5.0), (etype, msg, took)
 
 
 @pytest.mark.timeout(60)
 def test_destroying_a_group_ends_its_pending_receives() -> None:
-    etype, msg, took, threads_gone = raise_first(run_world(2, _tcp_workers.destroy_with_pending_irecv,
+    etype, msg, took, threads_gone = raise_first(run_world(2,
+                                                           _tcp_workers.destroy_with_pending_irecv,
                                                            backend="tcp", timeout=50))[0]
     assert etype == "GroupAbortedError" and "destroyed" in msg, (etype, msg)
     assert took < 5.0 and threads_gone, (took, threads_gone)
@@ -257,7 +270,8 @@ def test_random_floats_bit_identical_to_shm_with_tiny_chunks() -> None:
 
 @pytest.mark.timeout(90)
 def test_mismatches_timeouts_and_tokens_each_poison_only_their_group() -> None:
-    res = raise_first(run_world(2, _tcp_workers.scenarios, T, backend="tcp", timeout=60, op_timeout=10))
+    res = raise_first(run_world(2, _tcp_workers.scenarios, T, backend="tcp", timeout=60,
+                                op_timeout=10))
     for r in range(2):
         got = res[r]
         assert got["world"][0] == "ok"
@@ -267,7 +281,8 @@ def test_mismatches_timeouts_and_tokens_each_poison_only_their_group() -> None:
             assert "rank 0: all_reduce" in got[name][1] and "rank 1: all_reduce" in got[name][1]
         assert got["op"][0] in ("CollectiveMismatchError", "GroupAbortedError"), got["op"]
         assert "broadcast" in got["op"][1] and "all_reduce" in got["op"][1], got["op"]
-        assert got["token"][0] == "DistNetworkError" and "bad run token" in got["token"][1], got["token"]
+        assert (got["token"][0] == "DistNetworkError"
+                and "bad run token" in got["token"][1]), got["token"]
     assert res[1]["p2p"][0] == "CollectiveMismatchError"
     assert "sent a message of 16 bytes with tag 7, but rank 1 expected 12 bytes" in res[1]["p2p"][1]
     assert res[0]["p2p"][0] in ("PeerFailureError", "GroupAbortedError"), res[0]["p2p"]
@@ -280,8 +295,8 @@ def test_mismatches_timeouts_and_tokens_each_poison_only_their_group() -> None:
 @pytest.mark.parametrize("mode", ["sigkill", "exit1"])
 def test_peer_death_reaches_every_survivor_within_a_second(mode: str) -> None:
     env = {"RINGLET_FAULT": f"rank=1;at=collective:seq=5;do={mode}"}
-    res = {r.rank: r for r in run_world(3, _workers.timed_until_error, 50, backend="tcp", op_timeout=10.0,
-                                        env=env, timeout=40)}
+    res = {r.rank: r for r in run_world(3, _workers.timed_until_error, 50, backend="tcp",
+                                        op_timeout=10.0, env=env, timeout=40)}
     for r in (0, 2):
         etype, msg, elapsed = res[r].value
         assert etype in ("PeerFailureError", "GroupAbortedError"), (r, etype, msg)
@@ -293,23 +308,26 @@ def test_peer_death_reaches_every_survivor_within_a_second(mode: str) -> None:
 @pytest.mark.timeout(60)
 def test_stopped_peer_times_out_at_the_deadline_and_departed_peer_is_named_at_once() -> None:
     env = {"RINGLET_FAULT": "rank=1;at=collective:seq=3;do=sigstop"}
-    res = {r.rank: r for r in run_world(2, _workers.timed_until_error, 10, backend="tcp", op_timeout=T,
-                                        env=env, timeout=T + 5)}
+    res = {r.rank: r for r in run_world(2, _workers.timed_until_error, 10, backend="tcp",
+                                        op_timeout=T, env=env, timeout=T + 5)}
     etype, msg, elapsed = res[0].value
     assert etype == "CollectiveTimeoutError" and "ranks [1]" in msg and "pid" in msg, msg
     assert 0.9 * T <= elapsed <= T + 3.0
     assert res[1].exc_type == "hung"
     t0 = time.monotonic()
-    res = {r.rank: r for r in run_world(2, _workers.skip_on_rank, 1, 0.0, backend="tcp", op_timeout=10.0,
-                                        timeout=30)}
+    res = {r.rank: r for r in run_world(2, _workers.skip_on_rank, 1, 0.0, backend="tcp",
+                                        op_timeout=10.0, timeout=30)}
     assert time.monotonic() - t0 < 8.0
-    assert res[0].exc_type == "PeerFailureError" and "left the group" in res[0].message, res[0].message
+    assert (res[0].exc_type == "PeerFailureError"
+            and "left the group" in res[0].message), (res[0].message)
 
 
 @pytest.mark.timeout(60)
 def test_abort_from_another_thread_wakes_the_wait_and_reaches_the_peer() -> None:
-    res = raise_first(run_world(2, _tcp_workers.abort_from_thread, backend="tcp", op_timeout=10.0, timeout=30))
+    res = raise_first(run_world(2, _tcp_workers.abort_from_thread, backend="tcp", op_timeout=10.0,
+                                timeout=30))
     etype, msg, elapsed = res[0]
     assert etype == "GroupAbortedError" and "stopped by the test" in msg and elapsed < 2.0, res[0]
     etype, msg, elapsed = res[1]
-    assert etype == "GroupAbortedError" and "aborted by rank 0" in msg and "stopped by the test" in msg
+    assert (etype == "GroupAbortedError" and "aborted by rank 0" in msg
+            and "stopped by the test" in msg)

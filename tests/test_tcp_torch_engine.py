@@ -17,7 +17,8 @@ from ringlet.transport.reduce import RedOpType
 from ringlet.transport.split import DeviceSplitTransport
 from ringlet.transport.torch_engine import engines_for
 
-NO_CUDA = "no CUDA device here: torch's NCCL engine cannot run (the adapter refuses it with a clear error)"
+NO_CUDA = ("no CUDA device here: torch's NCCL engine cannot run (the adapter refuses it with a "
+           "clear error)")
 
 
 @pytest.mark.timeout(30)
@@ -31,20 +32,22 @@ def test_engine_specs() -> None:
 
 @pytest.mark.timeout(120)
 def test_collectives_on_torchs_gloo_through_ringlets_api() -> None:
-    for got in raise_first(run_world(2, _tcp_workers.engine_cases, backend="torch:gloo", timeout=90)):
+    for got in raise_first(run_world(2, _tcp_workers.engine_cases, backend="torch:gloo",
+                                     timeout=90)):
         assert got["backend"] == "torch:gloo"
         assert got["bad"] == [], got["bad"]
 
 
 @pytest.mark.timeout(60)
 def test_torchs_timeout_becomes_a_collective_timeout_error() -> None:
-    res = raise_first(run_world(2, _tcp_workers.engine_timeout, backend="torch:gloo", op_timeout=1.5,
-                                timeout=30))
+    res = raise_first(run_world(2, _tcp_workers.engine_timeout, backend="torch:gloo",
+                                op_timeout=1.5, timeout=30))
     assert res[0][0] == "CollectiveTimeoutError" and "gloo" in res[0][1], res[0]
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the NCCL tests below run")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="this machine has CUDA: the NCCL tests below run")
 def test_nccl_without_cuda_is_refused_clearly() -> None:
     with pytest.raises(ValueError, match="needs CUDA"):
         dist.init_process_group("torch:nccl", store=HashStore(), rank=0, world_size=1)
@@ -56,10 +59,12 @@ def test_nccl_without_cuda_is_refused_clearly() -> None:
 @pytest.mark.parametrize("spec", ["torch:nccl", "torch:gloo,nccl"])
 def test_nccl_engine_on_one_gpu(spec: str) -> None:
     """World of one (one GPU), in a child process: NCCL keeps process-wide listeners alive."""
-    assert raise_first(run_world(1, _tcp_workers.nccl_one_gpu, spec, backend="tcp", timeout=100)) == ["ok"]
+    assert (raise_first(run_world(1, _tcp_workers.nccl_one_gpu, spec, backend="tcp", timeout=100))
+            == ["ok"])
 
 
-# ---------------------------------------------------------------- per-device: ringlet for CPU, NCCL for CUDA
+# ---------------------------------------------------------------- per-device: ringlet for CPU, NCCL
+# for CUDA
 
 
 class _Recorder(Transport):
@@ -134,16 +139,20 @@ class _FakeDevice:
 
 @pytest.mark.timeout(60)
 def test_per_device_backend_runs_cpu_tensors_on_ringlet_and_builds_nccl_only_when_asked() -> None:
-    """torch's own spelling ``cpu:gloo,cuda:nccl`` on a machine without a GPU: CPU collectives run on
+    """torch's own spelling ``cpu:gloo,cuda:nccl`` on a machine without a GPU: CPU collectives run
+    on
     ringlet's shm, and the NCCL side is not built (it waits for a CUDA tensor)."""
-    for got in raise_first(run_world(2, _tcp_workers.per_device_cpu, backend="cpu:gloo,cuda:nccl", timeout=50)):
-        assert got == {"backend": "cpu:gloo,cuda:nccl", "transport": "shm,cuda:torch:nccl", "sum": 3.0,
+    for got in raise_first(run_world(2, _tcp_workers.per_device_cpu, backend="cpu:gloo,cuda:nccl",
+                                     timeout=50)):
+        assert got == {"backend": "cpu:gloo,cuda:nccl",
+                       "transport": "shm,cuda:torch:nccl", "sum": 3.0,
                        "built": ["cpu"], "devices": ["cpu", "cuda"]}, got
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 def test_per_device_backend_on_one_gpu() -> None:
-    """``cpu:shm,cuda:nccl``: CPU tensors through ringlet's shm, CUDA tensors through torch's NCCL."""
+    """``cpu:shm,cuda:nccl``: CPU tensors through ringlet's shm, CUDA tensors through torch's
+    NCCL."""
     assert raise_first(run_world(1, _tcp_workers.per_device_gpu, backend="cpu:shm,cuda:nccl",
                                  timeout=100)) == ["ok"]

@@ -109,7 +109,8 @@ def test_process_group_methods_torch_style() -> None:
                 "name": pg.name(), "count": dist.get_pg_count()}
     a, b = run_threads(body, 2)
     assert a["sum"] == b["sum"] == 3.0 and a["b"] == b["b"] == 1.0
-    assert a["outs"] == b["outs"] == [0.0, 1.0] and (a["rs"], b["rs"]) == (2.0, 4.0) and b["got"] == 7.0
+    assert (a["outs"] == b["outs"] == [0.0, 1.0] and (a["rs"], b["rs"]) == (2.0, 4.0)
+            and b["got"] == 7.0)
     assert (a["rank"], b["rank"], a["size"], a["name"], a["count"]) == (0, 1, 2, "inproc", 1)
 
 
@@ -123,12 +124,14 @@ def test_process_group_methods_refuse_several_tensors_per_process() -> None:
 def test_private_paths_published_code_uses() -> None:
     def body(rank: int, n: int) -> tuple[bool, bool, list[int], str]:
         sub = dist.new_group([0])
-        return (c10d._rank_not_in_group(sub), c10d._rank_not_in_group(None), c10d._get_pg_config()["ranks"],
-                c10d._get_process_group_name(dist.group.WORLD))
-    assert run_threads(body, 2) == [(False, False, [0, 1], "default_pg"), (True, False, [0, 1], "default_pg")]
+        return (c10d._rank_not_in_group(sub), c10d._rank_not_in_group(None),
+                c10d._get_pg_config()["ranks"], c10d._get_process_group_name(dist.group.WORLD))
+    assert run_threads(body, 2) == [(False, False, [0, 1], "default_pg"),
+                                    (True, False, [0, 1], "default_pg")]
 
 
-def test_debug_level_switches_the_detail_check_on_live_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_debug_level_switches_the_detail_check_on_live_groups(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RINGLET_DEBUG", raising=False)
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "INFO")
 
@@ -168,9 +171,10 @@ def test_monitored_barrier_errors_start_with_torchs_text() -> None:
     first = run_threads(body, 3, False, op_timeout=5.0)
     assert first[0].startswith("Rank 2 failed to pass monitoredBarrier in 300 ms\n"), first[0]
     assert "ranks [2]" in first[0]             # ringlet's own report follows
-    assert first[1].startswith("Rank 1 successfully reached monitoredBarrier, but received errors while "
-                               "waiting for send/recv from rank 0"), first[1]
-    assert run_threads(body, 3, True, op_timeout=5.0)[0].startswith("Ranks 2 failed to pass monitoredBarrier")
+    assert first[1].startswith("Rank 1 successfully reached monitoredBarrier, but received errors "
+                               "while waiting for send/recv from rank 0"), first[1]
+    assert run_threads(body, 3, True, op_timeout=5.0)[0].startswith("Ranks 2 failed to pass "
+                                                                    "monitoredBarrier")
 
 
 def test_complex_reductions_coalesced_dtypes_and_sparse_sum() -> None:
@@ -215,7 +219,9 @@ def test_collectives_are_asynchronous_profiler_events_named_like_torchs() -> Non
         return [(e.name, e.is_async, e.input_shapes) for e in prof.function_events if ":" in e.name
                 and "::" not in e.name]
     got = run_threads(body, 1)[0]
-    assert got == [("inproc:all_reduce", True, [[2, 3, 2], []]), ("inproc:all_gather", True, [[4], []])], got
+    assert (got
+            == [("inproc:all_reduce", True, [[2, 3, 2], []]),
+                ("inproc:all_gather", True, [[4], []])]), got
 
 
 def test_launch_environment_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,13 +253,15 @@ def test_torch_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not _env.show_stacktraces()
 
 
-def test_hang_reports_carry_full_stacks_with_torch_show_cpp_stacktraces(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hang_reports_carry_full_stacks_with_torch_show_cpp_stacktraces(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
     from ringlet.c10d import debug
 
     pg = SimpleNamespace(group_desc="g", group_name="g", ranks=[0, 1], size=lambda: 2)
-    states = {1: {"pid": 9, "host": "h", "where": "train.py:3 in step()", "stack": "  File a\n  File b",
+    states = {1: {"pid": 9, "host": "h", "where": "train.py:3 in step()",
+                  "stack": "  File a\n  File b",
                   "groups": {"g": {"seq": 4, "done": 3, "history": [[4, "all_reduce #4"]]}}}}
     monkeypatch.setenv("TORCH_SHOW_CPP_STACKTRACES", "0")
     assert "stack of rank 1" not in debug.format_report(pg, states, [0])
@@ -287,7 +295,8 @@ def test_new_subgroups_splits_a_given_group_and_refuses_bad_ranks() -> None:
 
 def test_sparse_all_reduce_refuses_indices_outside_the_shape() -> None:
     def body(rank: int, n: int) -> str:
-        bad = torch.sparse_coo_tensor(torch.tensor([[0, 10**6]]), torch.ones(2), (3,), check_invariants=False)
+        bad = torch.sparse_coo_tensor(torch.tensor([[0, 10**6]]), torch.ones(2), (3,),
+                                      check_invariants=False)
         try:
             dist.all_reduce(bad)
         except ValueError as e:

@@ -20,7 +20,8 @@ PLACEMENTS = {
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_tp_sp_with_data_parallel_matches_one_process(strategy: str) -> None:
     res = run_threads(workers.llama_2d, 4, strategy, timeout=140)
-    # rank = 2 * dp + tp: each dp rank's loss is over its half of the batch, their mean is the reference's
+    # rank = 2 * dp + tp: each dp rank's loss is over its half of the batch, their mean is the
+    # reference's
     for dp0, dp1 in ((res[0], res[2]), (res[1], res[3])):
         means = [(a + b) / 2 for a, b in zip(dp0["losses"], dp1["losses"])]
         assert means == pytest.approx(dp0["ref_losses"], abs=1e-5)

@@ -25,7 +25,8 @@ def test_ten_adamw_steps_match_one_rank(sp: bool) -> None:
         assert r["grad_diff"] < 1e-5 and r["param_diff"] < 1e-4, (r["grad_diff"], r["param_diff"])
         fwd, loss, bwd = r["comms"]
         assert len(r.get("norms", [])) == (10 if sp else 0)
-        for norm, ref_norm, comm in r.get("norms", []):             # clip_grad_norm_: one all-reduce
+        # clip_grad_norm_: one all-reduce
+        for norm, ref_norm, comm in r.get("norms", []):
             assert norm == pytest.approx(ref_norm, rel=1e-5) and comm == {"all_reduce": 1}
         if sp:
             # an all-gather into and a reduce-scatter out of every parallel region (2 per block,
@@ -38,14 +39,16 @@ def test_ten_adamw_steps_match_one_rank(sp: bool) -> None:
         else:
             # one all-reduce per row-parallel layer forward (embedding, o, down), one per
             # column-parallel input backward (attention input, feed-forward input, head input)
-            assert fwd == {"all_reduce": 2 * LAYERS + 1, "all_gather": 1}        # + the replicated logits
+            # + the replicated logits
+            assert fwd == {"all_reduce": 2 * LAYERS + 1, "all_gather": 1}
             assert loss == {}
             assert bwd == {"all_reduce": 2 * LAYERS + 1}
 
 
 @pytest.mark.timeout(150)
 def test_processes_match_torch_tensor_parallel_step_for_step(tmp_gloo: str) -> None:
-    """The 'done when' check: the same plan under ringlet (shm) and torch (gloo) gives the same losses."""
+    """The 'done when' check: the same plan under ringlet (shm) and torch (gloo) gives the same
+    losses."""
     import os
 
     os.makedirs(tmp_gloo, exist_ok=True)

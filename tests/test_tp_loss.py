@@ -18,7 +18,8 @@ pytestmark = pytest.mark.timeout(60)
 CASES = {
     "mean": {},
     "sum + ignore_index": {"reduction": "sum", "ignore_index": 2},
-    "none + weight": {"reduction": "none", "weight": torch.tensor([1.0, 2.0, 0.5, 1.0, 3.0, 1.0, 0.25])},
+    "none + weight": {"reduction": "none",
+                      "weight": torch.tensor([1.0, 2.0, 0.5, 1.0, 3.0, 1.0, 0.25])},
     "label smoothing": {"label_smoothing": 0.1},
 }
 
@@ -26,7 +27,8 @@ CASES = {
 def _loss(rank: int, n: int) -> dict:
     mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 7, generator=g)                 # 7 classes: uneven shards on 2 and 3 ranks
+    # 7 classes: uneven shards on 2 and 3 ranks
+    logits = torch.randn(6, 7, generator=g)
     target = torch.tensor([0, 6, 2, 3, 2, 5])
     out = {}
     for name, kw in CASES.items():
@@ -52,13 +54,15 @@ def _loss(rank: int, n: int) -> dict:
         loss = F.nll_loss(dlp, target) + dlp.exp().pow(2).sum()
         with CommDebugMode() as bwd:
             loss.backward()
-    out["shared"] = (torch.allclose(x.grad.full_tensor(), full.grad, atol=1e-5), bwd.get_comm_counts())
+    out["shared"] = (torch.allclose(x.grad.full_tensor(), full.grad, atol=1e-5),
+                     bwd.get_comm_counts())
     with loss_parallel(), pytest.raises(IndexError, match=r"expected targets in \[0, 7\)"):
         F.cross_entropy(x, torch.tensor([0, 7, 1, 1, 1, 1]))
     # outside the context (or on replicated logits) the ordinary rules apply
     rep = distribute_tensor(logits, mesh, [Replicate()])
     with loss_parallel():
-        out["replicated"] = torch.allclose(F.cross_entropy(rep, target).full_tensor(), F.cross_entropy(logits, target))
+        out["replicated"] = torch.allclose(F.cross_entropy(rep, target).full_tensor(),
+                                           F.cross_entropy(logits, target))
     return out
 
 
@@ -68,7 +72,8 @@ def test_loss_parallel_matches_cross_entropy(n: int) -> None:
         for name in CASES:
             rep, loss_ok, grad_ok, grad_rep, fwd, bwd = r[name]
             assert loss_ok and grad_ok, name
-            assert grad_rep == "DTensor(f32[6,7@tp] S(1))", name             # the logits' gradient stays sharded
+            # the logits' gradient stays sharded
+            assert grad_rep == "DTensor(f32[6,7@tp] S(1))", name
             if name != "label smoothing":
                 assert fwd == {"all_reduce": 3} and bwd == {}, (name, fwd, bwd)
         assert r["shared"] == (True, {"all_reduce": 1})

@@ -19,11 +19,13 @@ import ringlet.distributed as dist
 from ringlet.testing import run_threads
 from ringlet.testing.procs import raise_first, run_world
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")      # beta sparse CSR, nested tensors
+# beta sparse CSR, nested tensors
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _refusals(rank: int, n: int) -> dict[str, Any]:
-    """(op, argument) -> the refusal's text, for one bad call each; all ranks make the same calls."""
+    """(op, argument) -> the refusal's text, for one bad call each; all ranks make the same
+    calls."""
     expanded = torch.zeros(3).expand(2, 3)
     freed = torch.ones(4)
     freed.untyped_storage().resize_(0)
@@ -31,28 +33,36 @@ def _refusals(rank: int, n: int) -> dict[str, Any]:
         "all_reduce/meta": lambda: dist.all_reduce(torch.empty(2, device="meta")),
         "all_reduce/sparse_csr": lambda: dist.all_reduce(torch.eye(2).to_sparse_csr()),
         "all_reduce/expanded": lambda: dist.all_reduce(expanded),
-        "all_reduce/overlapping": lambda: dist.all_reduce(torch.zeros(9).as_strided((3, 3), (1, 1))),
+        "all_reduce/overlapping": lambda: dist.all_reduce(
+            torch.zeros(9).as_strided((3, 3), (1, 1))),
         "all_reduce/freed": lambda: dist.all_reduce(freed),
         "all_reduce/float8": lambda: dist.all_reduce(torch.zeros(2, dtype=torch.float8_e4m3fn)),
         "all_reduce/ndarray": lambda: dist.all_reduce(torch.zeros(2).numpy()),
-        "all_reduce/nested": lambda: dist.all_reduce(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])),
+        "all_reduce/nested": lambda: dist.all_reduce(
+            torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])),
         "all_reduce/bool_op": lambda: dist.all_reduce(torch.ones(2), op=True),
         "all_reduce/group": lambda: dist.all_reduce(torch.ones(2), group="world"),
         "broadcast/bool_src": lambda: dist.broadcast(torch.ones(2), src=True),
         "broadcast/float_src": lambda: dist.broadcast(torch.ones(2), src=1.0),
         "reduce/dst": lambda: dist.reduce(torch.ones(2), dst=n),
-        "all_gather/dtype": lambda: dist.all_gather([torch.zeros(2), torch.zeros(2, dtype=torch.int64)],
+        "all_gather/dtype": lambda: dist.all_gather([torch.zeros(2),
+                                                     torch.zeros(2, dtype=torch.int64)],
                                                     torch.zeros(2)),
         "all_gather/length": lambda: dist.all_gather([torch.zeros(2)], torch.zeros(2)),
-        "all_gather_into_tensor/numel": lambda: dist.all_gather_into_tensor(torch.zeros(5), torch.zeros(2)),
-        "all_gather_coalesced/outputs": lambda: dist.all_gather_coalesced([[torch.zeros(2)], [expanded]],
+        "all_gather_into_tensor/numel": lambda: dist.all_gather_into_tensor(
+            torch.zeros(5), torch.zeros(2)),
+        "all_gather_coalesced/outputs": lambda: dist.all_gather_coalesced([[torch.zeros(2)],
+                                                                           [expanded]],
                                                                           [torch.zeros(2)]),
-        "all_to_all/expanded": lambda: dist.all_to_all([expanded, torch.zeros(2)], [torch.zeros(2)] * 2),
-        "all_to_all_single/splits": lambda: dist.all_to_all_single(torch.zeros(4), torch.zeros(4), [True, 3]),
+        "all_to_all/expanded": lambda: dist.all_to_all([expanded, torch.zeros(2)],
+                                                       [torch.zeros(2)] * 2),
+        "all_to_all_single/splits": lambda: dist.all_to_all_single(
+            torch.zeros(4), torch.zeros(4), [True, 3]),
         "isend/tag": lambda: dist.isend(torch.ones(1), dst=1 - rank, tag=1 << 40),
         "irecv/self": lambda: dist.irecv(torch.ones(1), src=rank),
         "batch_isend_irecv/entry": lambda: dist.batch_isend_irecv(
-            [dist.P2POp(dist.isend, torch.ones(1), 1 - rank), dist.P2POp(dist.irecv, freed, 1 - rank)]),
+            [dist.P2POp(dist.isend, torch.ones(1), 1 - rank),
+             dist.P2POp(dist.irecv, freed, 1 - rank)]),
         "barrier/device_ids": lambda: dist.barrier(device_ids=[-1]),
     }
     seq = dist.group.WORLD.seq
@@ -64,8 +74,10 @@ def _refusals(rank: int, n: int) -> dict[str, Any]:
 
 REFUSALS = [
     "all_reduce/meta", "all_reduce/sparse_csr", "all_reduce/expanded", "all_reduce/overlapping",
-    "all_reduce/freed", "all_reduce/float8", "all_reduce/ndarray", "all_reduce/nested", "all_reduce/bool_op",
-    "all_reduce/group", "broadcast/bool_src", "broadcast/float_src", "reduce/dst", "all_gather/dtype",
+    "all_reduce/freed", "all_reduce/float8", "all_reduce/ndarray", "all_reduce/nested",
+    "all_reduce/bool_op",
+    "all_reduce/group", "broadcast/bool_src", "broadcast/float_src", "reduce/dst",
+    "all_gather/dtype",
     "all_gather/length", "all_gather_into_tensor/numel", "all_gather_coalesced/outputs",
     "all_to_all/expanded", "all_to_all_single/splits", "isend/tag", "irecv/self",
     "batch_isend_irecv/entry", "barrier/device_ids"]
@@ -85,7 +97,8 @@ def test_refusal_names_rank_op_and_argument(refusals: list[dict[str, Any]], case
         assert f"[rank {rank}]" in msg and op in msg and "expected" in msg, msg
 
 
-def test_refusals_take_no_sequence_number_and_leave_the_group_usable(refusals: list[dict[str, Any]]) -> None:
+def test_refusals_take_no_sequence_number_and_leave_the_group_usable(
+        refusals: list[dict[str, Any]]) -> None:
     assert all(r["seq_unchanged"] and r["usable"] for r in refusals)
 
 
@@ -151,7 +164,8 @@ def _check_surface(rank: int, sort: dict[str, Any], objects: dict[str, Any], spl
     assert split["none_for_others"] and "expected disjoint splits" in split["bad"]
     assert coal["a"] == [3.0] * 3 and coal["b"] == [[3.0, 3.0]] * 2 and coal["c"] == [3, 3]
     assert coal["outs"] == [0.0, 0.0, 1.0, 1.0] and coal["rs"] == [[0.0, 2.0], [4.0, 6.0]][rank]
-    # one flat exchange per (kind, dtype, op): float32 and int64 all_reduces, one gather, one scatter
+    # one flat exchange per (kind, dtype, op): float32 and int64 all_reduces, one gather, one
+    # scatter
     assert coal["issued"]["all_reduce"] == 2 and coal["issued"]["all_gather"] == 1
     assert coal["issued"]["reduce_scatter"] == 1
     assert coal["d"] == [2.0, 2.0] and coal["e"] == [1.0]
@@ -184,7 +198,8 @@ def test_freed_storage_is_refused_even_when_freed_while_queued(suite: list[dict[
     rank0, rank1 = (got["freed"] for got in suite)
     assert "data pointer is 0" in rank0["freed"] and "data pointer is 0" in rank1["freed"]
     assert "expected its storage to stay allocated" in rank0["queued"], rank0["queued"]
-    assert rank1["queued"].split(":")[0] in ("CollectiveTimeoutError", "PeerFailureError", "GroupAbortedError")
+    assert rank1["queued"].split(":")[0] in ("CollectiveTimeoutError", "PeerFailureError",
+                                             "GroupAbortedError")
     assert rank0["usable"] and rank1["usable"]
 
 
@@ -192,13 +207,15 @@ def test_barrier_timeout_and_device_ids(suite: list[dict[str, Any]]) -> None:
     b0, b1 = (got["barrier"] for got in suite)
     assert "device_ids" in b0["device_ids"] and "timedelta" in b0["timeout_type"]
     assert b0["late"].startswith("CollectiveTimeoutError") and 0.45 <= b0["elapsed"] < 3.0, b0
-    assert b1["late"].split(":")[0] in ("GroupAbortedError", "CollectiveTimeoutError", "PeerFailureError")
+    assert b1["late"].split(":")[0] in ("GroupAbortedError", "CollectiveTimeoutError",
+                                        "PeerFailureError")
     assert b0["usable"] and b1["usable"]
 
 
 def test_group_surface_on_processes(suite: list[dict[str, Any]]) -> None:
     for rank, got in enumerate(suite):
-        _check_surface(rank, got["sort_ranks"], got["object_lists"], got["split_group"], got["coalescing"])
+        _check_surface(rank, got["sort_ranks"], got["object_lists"], got["split_group"],
+                       got["coalescing"])
 
 
 def test_collectives_appear_in_profiler_traces(suite: list[dict[str, Any]]) -> None:

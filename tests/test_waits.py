@@ -32,7 +32,8 @@ from ringlet.transport.arena_wait import (
 )
 from ringlet.transport.base import OpContext
 
-FUTEX = [pytest.param("0", id="futex", marks=pytest.mark.skipif(not available(), reason="no futex")),
+FUTEX = [pytest.param("0", id="futex",
+                      marks=pytest.mark.skipif(not available(), reason="no futex")),
          pytest.param("1", id="timers")]
 T_LONG = 10.0     # op timeout where the test expects an end long before it
 DELAY = 0.3       # how late the slow peer is
@@ -219,7 +220,8 @@ def test_threads_three_ranks_with_random_stalls_stay_correct(monkeypatch, no_fut
         assert ok
 
 
-# -- ranks as processes -----------------------------------------------------------------------------
+# -- ranks as processes
+# -----------------------------------------------------------------------------
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("no_futex", FUTEX)

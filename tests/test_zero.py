@@ -36,9 +36,11 @@ def test_partition_is_greedy_largest_first() -> None:
 @pytest.mark.parametrize("opt,bucket_view,split,n", [
     ("adam", False, None, 2), ("sgd", False, 3, 3), ("adamw", True, 2, 2), ("adam", True, None, 3),
 ])
-def test_steps_match_the_unsharded_optimizer(opt: str, bucket_view: bool, split: int | None, n: int) -> None:
+def test_steps_match_the_unsharded_optimizer(opt: str, bucket_view: bool, split: int | None,
+                                             n: int) -> None:
     shards = run_threads(zero_parity, n, opt, bucket_view, split)
-    # Memory: each rank holds state for its own shard only; together they cover every parameter once.
+    # Memory: each rank holds state for its own shard only; together they cover every parameter
+    # once.
     flat = sorted(i for s in shards for i in s)
     assert flat == list(range(len(_dp_workers.PARAM_SHAPES)))
     sizes = [sum(torch.Size(_dp_workers.PARAM_SHAPES[i]).numel() for i in s) for s in shards]
@@ -84,7 +86,8 @@ def test_add_param_group_lr_scheduler_closure() -> None:
 def _uneven_join(rank: int, world_size: int) -> list[torch.Tensor]:
     params = make_params()
     zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
-    set_grads(params, 0)        # the same gradient every step, so a joined rank's stale one is right
+    # the same gradient every step, so a joined rank's stale one is right
+    set_grads(params, 0)
     with Join([zero]):
         for _ in range(2 + rank):
             zero.step()
@@ -119,7 +122,8 @@ def _misc(rank: int, world_size: int) -> dict[str, Any]:
     with pytest.raises(ValueError, match="parameter groups of sizes"):
         zero.load_state_dict({"state": {}, "param_groups": [{"params": [0]}]})
     # Freezing a parameter between steps re-packs the buckets (bucket view).
-    bucketed = ZeroRedundancyOptimizer(make_params(), torch.optim.SGD, parameters_as_bucket_view=True, lr=0.1)
+    bucketed = ZeroRedundancyOptimizer(make_params(), torch.optim.SGD,
+                                       parameters_as_bucket_view=True, lr=0.1)
     ps = [p for grp in bucketed.param_groups for p in grp["params"]]
     ps[0].requires_grad_(False)
     set_grads(ps, 0)
