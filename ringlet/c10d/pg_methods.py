@@ -54,6 +54,19 @@ def _one(tensors: Any, method: str, arg: str) -> torch.Tensor:
                      f"(one per process), got {got}")
 
 
+def _this_process(tensors: Any, method: str, arg: str, strict: bool = True) -> Any:
+    """torch's per-process tensor lists: a flat list, or a list holding this process's list.
+
+    ``strict``: a nested argument must hold exactly one list (gather and scatter take the first).
+    """
+    if tensors and isinstance(tensors[0], (list, tuple)):
+        if strict and len(tensors) != 1:
+            raise ValueError(f"ProcessGroup.{method}: {arg}: expected one list (one per process), "
+                             f"got {len(tensors)}")
+        return tensors[0]
+    return tensors
+
+
 def _op(opts: Any, op: Any, default: Any = ReduceOp.SUM) -> Any:
     if isinstance(opts, (ReduceOp, RedOpType)):
         return opts
@@ -95,12 +108,7 @@ class TorchGroupMethods:
 
     def allgather(self, output_tensors: Any, input_tensors: Any,
                   opts: AllgatherOptions | None = None) -> Any:
-        outs = output_tensors
-        if outs and isinstance(outs[0], (list, tuple)):
-            if len(outs) != 1:
-                raise ValueError("ProcessGroup.allgather: output_tensors: expected one list (one "
-                                 f"per process), got {len(outs)}")
-            outs = outs[0]
+        outs = _this_process(output_tensors, "allgather", "output_tensors")
         inp = _one(input_tensors, "allgather", "input_tensors")
         return _api().all_gather(list(outs), inp, group=self, async_op=True)
 
@@ -110,12 +118,7 @@ class TorchGroupMethods:
     def reduce_scatter(self, output_tensors: Any, input_tensors: Any,
                        opts: ReduceScatterOptions | Any = None, op: Any = None) -> Any:
         out = _one(output_tensors, "reduce_scatter", "output_tensors")
-        ins = input_tensors
-        if ins and isinstance(ins[0], (list, tuple)):
-            if len(ins) != 1:
-                raise ValueError("ProcessGroup.reduce_scatter: input_tensors: expected one list "
-                                 f"(one per process), got {len(ins)}")
-            ins = ins[0]
+        ins = _this_process(input_tensors, "reduce_scatter", "input_tensors")
         return _api().reduce_scatter(out, list(ins), _op(opts, op), group=self, async_op=True)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
@@ -137,8 +140,7 @@ class TorchGroupMethods:
     def gather(self, output_tensors: Any, input_tensors: Any,
                opts: GatherOptions | int | None = None, root: Any = None) -> Any:
         inp = _one(input_tensors, "gather", "input_tensors")
-        nested = bool(output_tensors) and isinstance(output_tensors[0], (list, tuple))
-        outs = output_tensors[0] if nested else output_tensors
+        outs = _this_process(output_tensors, "gather", "output_tensors", strict=False)
         dst = _root(opts, root)
         gather_list = list(outs) if self.rank() == dst else None
         return _api().gather(inp, gather_list, group=self, async_op=True, group_dst=dst)
@@ -146,8 +148,7 @@ class TorchGroupMethods:
     def scatter(self, output_tensors: Any, input_tensors: Any,
                 opts: ScatterOptions | int | None = None, root: Any = None) -> Any:
         out = _one(output_tensors, "scatter", "output_tensors")
-        ins = input_tensors[0] if input_tensors and isinstance(input_tensors[0], (list, tuple)) \
-            else input_tensors
+        ins = _this_process(input_tensors, "scatter", "input_tensors", strict=False)
         src = _root(opts, root)
         return _api().scatter(out, list(ins) if self.rank() == src else None, group=self,
                               async_op=True, group_src=src)
