@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ringlet.distributed as dist
-from ringlet.c10d import world as _world
+from ringlet.c10d import _current
 from ringlet.store import HashStore, PrefixStore
 
 
@@ -20,7 +20,7 @@ def _join_all(specs: list[tuple[int, int]], timeout: float = 2.0) -> list[str]:
     out: list[str] = [""] * len(specs)
 
     def body(i: int, rank: int, ws: int) -> None:
-        _world._thread_mode.set(True)
+        _current._thread_mode.set(True)
         try:
             # One store object per "process", sharing the data (like TCPStore clients of one
             # server).

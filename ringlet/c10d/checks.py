@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ringlet.c10d import _memory
+from ringlet.c10d._current import current_world
 from ringlet.c10d.reduce_op import resolve_op
 from ringlet.transport.base import DTYPE_CODES
 from ringlet.transport.reduce import RedOpType, check_op_dtype
@@ -50,8 +51,6 @@ _OVERLAP_ENUM_MAX = 1 << 20     # elements up to which an odd view's overlap is 
 
 
 def _who() -> str:
-    from ringlet.c10d.world import current_world
-
     w = current_world(required=False)
     return f"[rank {w.rank}] " if w is not None else ""
 

@@ -3,14 +3,14 @@
 [Note: where the world lives]
 The world (default group, store, groups) lives in one place: a process-wide
 slot, or -- for threads started by ``ringlet.testing`` -- a ``ContextVar`` per
-thread, so that ranks can be threads in tests.  Objects that fire later (DDP's
+thread, so that ranks can be threads in tests (both slots are in ``_current.py``, a leaf
+that argument checks can read).  Objects that fire later (DDP's
 reducer, FSDP's hooks, DTensor) keep the group they were built with and never
 look the world up again.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import hashlib
 import logging
@@ -21,6 +21,7 @@ from typing import Any
 
 from ringlet import _env
 from ringlet.c10d import _cuda, debug
+from ringlet.c10d._current import _set_world, current_world
 from ringlet.c10d.group import ProcessGroup
 from ringlet.c10d.rendezvous import check_ranks, rendezvous, store_from_init_method
 from ringlet.transport import select
@@ -67,11 +68,6 @@ class _World:
     device: Any = None              # init_process_group(device_id=...): the bound CUDA device
 
 
-_process_world: list[_World | None] = [None]
-_thread_world: contextvars.ContextVar[_World | None] = contextvars.ContextVar("ringlet_world",
-                                                                              default=None)
-_thread_mode: contextvars.ContextVar[bool] = contextvars.ContextVar("ringlet_thread_mode",
-                                                                    default=False)
 # Inits per (store, rank): every rank re-initializes on a store as often as the others, so the
 # count gives all ranks the same fresh key prefix (stale keys of an earlier init are never read).
 _init_counts: dict[tuple[str, int], int] = {}
@@ -93,27 +89,12 @@ def _next_init_count(store: Any, rank: int) -> int:
     return counts[rank]
 
 
-def current_world(required: bool = True) -> _World | None:
-    w = _thread_world.get() if _thread_mode.get() else _process_world[0]
-    if w is None and required:
-        raise ValueError("Default process group has not been initialized, please make sure to call "
-                         "init_process_group.")
-    return w
-
-
 def _world() -> _World:
     """The current world; raises (torch's message) when there is none."""
     w = current_world()
     if w is None:  # pragma: no cover - current_world raised
         raise AssertionError("no world")
     return w
-
-
-def _set_world(w: _World | None) -> None:
-    if _thread_mode.get():
-        _thread_world.set(w)
-    else:
-        _process_world[0] = w
 
 
 class _NonMember:

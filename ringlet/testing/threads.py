@@ -9,6 +9,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from ringlet.c10d import _current
 from ringlet.c10d import world as _world
 
 __all__ = ["RankFailure", "run_threads"]
@@ -41,7 +42,7 @@ def run_threads(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     lock = threading.Lock()
 
     def body(rank: int) -> None:
-        _world._thread_mode.set(True)
+        _current._thread_mode.set(True)
         try:
             _world.init_process_group("inproc", store=store, rank=rank, world_size=world_size,
                                       timeout=op_timeout)
