@@ -17,6 +17,7 @@ from ringlet.dtensor._api import DTensor
 from ringlet.dtensor._opcall import OpCall
 from ringlet.dtensor._ops import family_rule
 from ringlet.dtensor._plan import (
+    FLOAT_BLIND,
     LOCAL,
     MANY,
     NO_CACHE,
@@ -62,6 +63,8 @@ def decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         if not all(all(p.is_replicate() for p in d.placements) for d in call.dts):
             raise unsupported(call)
         rule = replicate_rule
+    if getattr(rule, "float_blind", False) and call.name != "masked_fill":
+        FLOAT_BLIND.add(func)
     plan = rule(call)
     _check_strided(call, plan)
     written = call.written_positions()

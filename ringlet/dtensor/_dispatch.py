@@ -28,7 +28,10 @@ build the key, swap DTensors for their local tensors, run the recorded moves (if
 and the local function, and wrap the result with the recorded spec -- the same spec
 object every time, so the next op's key is built from identical tokens.  Nothing is
 ever invalidated: specs are immutable values and a rule's answer is a pure function of
-the key (rules must not look at tensor values or at state outside the key).  Each mesh
+the key (rules must not look at tensor values or at state outside the key).  A Python
+float argument of an op in ``FLOAT_BLIND`` (elementwise ops, whose rules only ask whether
+a number is there) enters the key as its type: an optimizer's step size and bias
+corrections change every step, and keyed by value every such call would miss.  Each mesh
 object belongs to one rank (ranks that are threads build their own), so cached local
 functions may close over this rank's coordinate.  Not cached: calls with a non-scalar
 plain tensor (adopted as Replicate), arguments that do not hash, and ops in
@@ -46,6 +49,7 @@ import torch
 from ringlet.dtensor._api import DTensor
 from ringlet.dtensor._decide import decide, local_spec
 from ringlet.dtensor._plan import (
+    FLOAT_BLIND,
     LOCAL,
     MANY,
     ONE,
@@ -87,6 +91,7 @@ def torch_dispatch(cls: Any, func: Any, types: Any, args: tuple[Any, ...] = (),
     key: list[Any] = [func]
     largs: list[Any] = []
     lkwargs: dict[str, Any] = {}
+    blind = func in FLOAT_BLIND
     try:
         for x in args:                     # the common leaves inline: this loop is the hot path
             if type(x) is DTensor:
@@ -96,7 +101,7 @@ def torch_dispatch(cls: Any, func: Any, types: Any, args: tuple[Any, ...] = (),
                 key.append(s._key)
                 largs.append(x._local_tensor)
             elif type(x) in _ATOMS:
-                key.append(x)
+                key.append(float if blind and type(x) is float else x)
                 largs.append(x)
             else:
                 mesh = _leaf(x, key, largs, mesh)
@@ -104,7 +109,11 @@ def torch_dispatch(cls: Any, func: Any, types: Any, args: tuple[Any, ...] = (),
             vals: list[Any] = []
             for k, v in kwargs.items():
                 key.append(k)
-                mesh = _leaf(v, key, vals, mesh)
+                if blind and type(v) is float:
+                    key.append(float)
+                    vals.append(v)
+                else:
+                    mesh = _leaf(v, key, vals, mesh)
                 lkwargs[k] = vals[-1]
         tkey = tuple(key)
         decision = mesh._op_cache.get(tkey)

@@ -18,8 +18,8 @@ from ringlet.dtensor.placements import Replicate
 if TYPE_CHECKING:
     from ringlet.dtensor._opcall import OpCall
 
-__all__ = ["NO_CACHE", "OVERRIDES", "RULES", "Decision", "Plan", "register", "replicate_rule",
-           "unsupported"]
+__all__ = ["FLOAT_BLIND", "NO_CACHE", "OVERRIDES", "RULES", "Decision", "Plan", "register",
+           "replicate_rule", "unsupported"]
 
 aten = torch.ops.aten
 Rule = Callable[["OpCall"], "Plan"]
@@ -36,6 +36,12 @@ NO_CACHE: set[Any] = {
     aten.nll_loss_forward.default, aten.nll_loss_backward.default, aten.nll_loss2d_forward.default,
     aten.nll_loss2d_backward.default,
 }
+
+
+# Ops whose rule looks only at the presence of a Python float argument, never at its value: the
+# dispatch cache keys their floats by type ([Note: dispatch cache]).  ``decide`` adds an op the
+# first time it runs one whose rule says so (``rule.float_blind``).
+FLOAT_BLIND: set[Any] = set()
 
 
 def register(*ops: Any) -> Callable[[Rule], Rule]:

@@ -41,6 +41,10 @@ def pointwise_rule(call: OpCall) -> Plan:
     return Plan([tuple(r) for r in req], tuple(out), shapes=tuple(shape))
 
 
+# Only the presence of a number matters to these rules (``linearity``), not its value, except
+# masked_fill's zero (see FLOAT_BLIND in ``_plan``; ``_decide`` leaves masked_fill out).
+pointwise_rule.float_blind = True   # type: ignore[attr-defined]
+
 register(aten.detach.default, aten.detach_.default, aten.alias.default, aten.clone.default,
          aten._to_copy.default, aten.copy_.default, aten.zero_.default, aten.lift_fresh.default,
          aten.lift_fresh_copy.default, aten.masked_fill, aten.masked_fill_, aten.normal_.default,
@@ -103,3 +107,6 @@ def foreach_rule(call: OpCall) -> Plan:
         outs.append(tuple(o))
         shapes.append(tuple(out_shape))
     return Plan([req[k] for k in range(len(call.dts))], outs, shapes=shapes)
+
+
+foreach_rule.float_blind = True   # type: ignore[attr-defined]
