@@ -10,6 +10,10 @@ home, backend names) run as they are.  The tests marked ``NEEDS_CUDA`` skip with
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import pathlib
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -169,7 +173,7 @@ def test_async_collective_runs_on_the_side_stream_after_the_callers(fake_gpu: An
     assert ("new_stream", "cpu") not in rec.log
 
 
-def test_async_work_wait_with_a_timeout_blocks_until_the_event_and_names_the_op(fake_gpu: Any) -> None:
+def test_async_wait_with_a_timeout_blocks_until_the_event_and_names_the_op(fake_gpu: Any) -> None:
     rec = fake_gpu(("cpu",))
     work = dist.all_reduce(torch.empty(2, device=GPU), async_op=True)
     with pytest.raises(DistBackendError, match=r"all_reduce #\d+ did not complete on cpu"):
@@ -281,9 +285,9 @@ def test_plan_devices_cpu_module_takes_no_device_ids() -> None:
     plan = plan_devices([torch.device("cpu")] * 3, None, None)
     assert (plan.device, plan.device_ids, plan.output_device) == (torch.device("cpu"), None, None)
     for ids, out in (([0], None), (None, 0)):
-        with pytest.raises(ValueError, match="device_ids and output_device arguments only work with "
-                                             "single-device/multiple-device GPU modules or CPU "
-                                             "modules"):
+        with pytest.raises(ValueError, match="device_ids and output_device arguments only work "
+                                             "with single-device/multiple-device GPU modules or "
+                                             "CPU modules"):
             plan_devices([torch.device("cpu")], ids, out)
     with pytest.raises(ValueError, match=r"^device_ids can only be None or contain a single "
                                          r"element\.$"):
@@ -425,3 +429,35 @@ def test_fully_shard_one_rank_on_cuda_matches_single_process() -> None:
         _gpu_workers.fsdp_vs_local(0, 1)
     finally:
         dist.destroy_process_group()
+
+
+# --- scripts/gpu_check.py, the GPU acceptance run -------------------------------------------------
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a host without CUDA")
+def test_gpu_check_without_cuda_checks_nothing_and_says_so() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr          # neither pass nor failure
+    assert proc.stdout.strip() == "no CUDA device here: nothing checked"
+
+
+def test_gpu_check_parses_and_lists_the_rows_of_issue_20() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0 and "--only" in proc.stdout and "--max-ratio" in proc.stdout
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    me = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(me)
+    names = [name for name, _ in me.rows(me, 10, 1.05)]
+    assert names == [
+        "collectives nccl 1 rank", "collectives staged 2 ranks (gloo, shared GPU)",
+        "collectives slow-kernel nccl 1 rank",
+        "collectives slow-kernel staged 2 ranks (gloo, shared GPU)",
+        "ddp 10 steps nccl 1 rank vs single process",
+        "ddp 10 steps staged 2 ranks vs single process",
+        "fully_shard 10 steps nccl 1 rank vs single process",
+        "fully_shard 10 steps staged 2 ranks vs single process",
+        "speed ddp vs torch (1 rank nccl)", "speed fully_shard vs torch (1 rank nccl)"]
