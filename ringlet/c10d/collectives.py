@@ -79,7 +79,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
         return None
     # gloo's sparse SUM (ringlet.c10d.sparse)
     if getattr(tensor, "layout", None) is torch.sparse_coo:
-        return sparse.all_reduce(pg, tensor, op, async_op)
+        return sparse.all_reduce(pg, tensor, op, async_op, all_gather_into_tensor, all_gather)
     t = checks.tensor(tensor, "all_reduce", "tensor", pg.transport.devices, out=True)
     red, factor = checks.reduce_op(op, "all_reduce")
     if red != ReduceOp.SUM:

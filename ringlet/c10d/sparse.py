@@ -6,10 +6,14 @@ the contributions in rank order -- so every rank ends with the same tensor -- an
 written into the caller's tensor in place.  Indices received from peers are checked against the
 shape (``check_invariants``) before a sparse tensor is built from them: a peer's bad index is an
 error, never an out-of-bounds write.
+
+The dense collectives this needs are handed in by ``collectives.all_reduce`` (which dispatches
+sparse tensors here), so this module never imports the functional API that builds on it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,9 +25,13 @@ from ringlet.transport.reduce import RedOpType
 __all__ = ["all_reduce"]
 
 
-def all_reduce(pg: Any, tensor: torch.Tensor, op: Any, async_op: bool) -> Work | None:
+def all_reduce(pg: Any, tensor: torch.Tensor, op: Any, async_op: bool,
+               gather_into: Callable[..., Any], gather_list: Callable[..., Any]) -> Work | None:
     """Sum the sparse COO ``tensor`` over ``pg`` in place (the collective runs synchronously;
     with ``async_op`` the returned Work is already complete).
+
+    ``gather_into`` and ``gather_list`` are the dense ``all_gather_into_tensor`` and
+    ``all_gather`` that exchange the layouts, indices and values.
 
     Raises:
         ValueError: an op other than SUM, a tensor on a device the group cannot serve, or ranks
@@ -42,9 +50,9 @@ def all_reduce(pg: Any, tensor: torch.Tensor, op: Any, async_op: bool) -> Work |
         raise ValueError(f"all_reduce: tensor: expected a valid sparse COO tensor, got one whose "
                          f"indices do not fit its shape {list(tensor.shape)}: {e}") from None
     local = tensor.coalesce()
-    _check_same_layout(pg, local)
-    indices = _gather_uneven(pg, local.indices().reshape(-1))
-    values = _gather_uneven(pg, local.values().reshape(-1))
+    _check_same_layout(pg, local, gather_into)
+    indices = _gather_uneven(pg, local.indices().reshape(-1), gather_into, gather_list)
+    values = _gather_uneven(pg, local.values().reshape(-1), gather_into, gather_list)
     dense_shape = tuple(local.shape[local.sparse_dim():])
     total = None
     for idx, val in zip(indices, values):
@@ -58,10 +66,9 @@ def all_reduce(pg: Any, tensor: torch.Tensor, op: Any, async_op: bool) -> Work |
     return _Completed([tensor], op="all_reduce (sparse)") if async_op else None
 
 
-def _check_same_layout(pg: Any, t: torch.Tensor) -> None:
+def _check_same_layout(pg: Any, t: torch.Tensor, all_gather_into_tensor: Callable[..., Any]
+                       ) -> None:
     """Every rank holds a tensor of the same shape, sparse and dense dimensions."""
-    from ringlet.c10d.collectives import all_gather_into_tensor
-
     for what, mine in (("sparse_dim, dense_dim", [t.sparse_dim(), t.dense_dim()]),
                        ("shape", list(t.shape))):
         local = torch.tensor(mine, dtype=torch.int64)
@@ -73,11 +80,9 @@ def _check_same_layout(pg: Any, t: torch.Tensor) -> None:
                                  f"rank; {what}: this rank {mine}, rank {pg.ranks[r]} {theirs}")
 
 
-def _gather_uneven(pg: Any, flat: torch.Tensor) -> list[torch.Tensor]:
+def _gather_uneven(pg: Any, flat: torch.Tensor, all_gather_into_tensor: Callable[..., Any],
+                   all_gather: Callable[..., Any]) -> list[torch.Tensor]:
     """Every rank's ``flat`` (sizes may differ), in rank order."""
-    from ringlet.c10d.collectives import all_gather_into_tensor
-    from ringlet.c10d.list_collectives import all_gather
-
     sizes = torch.empty(pg.size(), dtype=torch.int64)
     all_gather_into_tensor(sizes, torch.tensor([flat.numel()], dtype=torch.int64), group=pg)
     outs = [torch.empty(int(n), dtype=flat.dtype) for n in sizes.tolist()]
