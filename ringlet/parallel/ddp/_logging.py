@@ -113,8 +113,8 @@ class DDPLogging:
             d.update(has_rebuilt_buckets=1, rebuilt_bucket_sizes=_sizes(reducer),
                      rebuilt_per_bucket_param_indices=", ".join(
                          " ".join(str(i) for i in b.plan.indices) for b in reducer.layout.buckets),
-                     prev_iteration_grad_ready_order_indices=", ".join(str(i)
-                                                                       for i in reducer.observed))
+                     prev_iteration_grad_ready_order_indices=", ".join(
+                         str(i) for i in reducer.observed))
         if self._sampled is not None:
             self._record_times(reducer.times)
 
