@@ -26,8 +26,8 @@ R = Replicate()
 def test_local_shape_and_offset_applies_strided_shards_last() -> None:
     pls = [_StridedShard(0, 2), Shard(0)]
     # 8 rows on (dp=2, tp=2): tp chunk t = rows 4t..4t+4, dp piece d of it = 2 rows
-    got = ({(d, t): local_shape_and_offset((8, 3), (2, 2), (d, t),
-                                           pls) for d in range(2) for t in range(2)})
+    got = {(d, t): local_shape_and_offset((8, 3), (2, 2), (d, t), pls)
+           for d in range(2) for t in range(2)}
     assert got == {(0, 0): ([2, 3], [0, 0]), (1, 0): ([2, 3], [2, 0]), (0, 1): ([2, 3], [4, 0]),
                    (1, 1): ([2, 3], [6, 0])}
     # uneven: 7 rows -> tp chunks 4, 3 -> dp pieces (2, 2), (2, 1)

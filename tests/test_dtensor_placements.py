@@ -65,8 +65,8 @@ def test_shard_local_chunk_and_partial_partition() -> None:
 
 def test_local_shape_and_offset_nests_shards_in_mesh_order() -> None:
     # 5 rows over a 2x2 mesh, both axes on dim 0: 5 -> (3, 2) -> (2, 1), (1, 1)
-    got = ({c: sm.local_shape_and_offset([5, 3], [2, 2], c,
-                                         [S0, S0]) for c in [(0, 0), (0, 1), (1, 0), (1, 1)]})
+    got = {c: sm.local_shape_and_offset([5, 3], [2, 2], c, [S0, S0])
+           for c in [(0, 0), (0, 1), (1, 0), (1, 1)]}
     assert got == {(0, 0): ([2, 3], [0, 0]), (0, 1): ([1, 3], [2, 0]),
                    (1, 0): ([1, 3], [3, 0]), (1, 1): ([1, 3], [4, 0])}
     assert sm.local_shape_and_offset([5, 3], [2, 2], (1, 1), [S1, S0]) == ([2, 1], [3, 2])
