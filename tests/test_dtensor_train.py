@@ -143,8 +143,8 @@ def test_parameters_state_dict_save_load_assign_and_deepcopy(tmp_path) -> None:
         assert r["deepcopy"] == ("DTensor(f32[5@tp,4] S(0))", True, True, True)
         assert r["double"] == ("DTensor(f64[5@tp,4] S(0))", torch.float64, True)
     assert res[0]["weights_only"] == "DTensor(f32[3,5@tp] S(1))"
-    with open(tmp_path / "rank0.pt",
-              "rb") as f, pytest.raises(ValueError, match="expected an initialized process"):
+    with (open(tmp_path / "rank0.pt", "rb") as f,
+          pytest.raises(ValueError, match="expected an initialized process")):
         pickle.load(f)             # no world here: the mesh cannot be reattached
 
 
