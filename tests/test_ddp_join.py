@@ -35,3 +35,16 @@ def test_join_three_ranks_with_buffers_and_rank0_out_first() -> None:
     ref = W.join_reference(3, counts, True, "bn")
     for params in results:
         assert max((a - b).abs().max().item() for a, b in zip(params, ref)) < 1e-9
+
+
+@pytest.mark.timeout(60)
+def test_rank_without_batches_uses_the_active_ranks_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that joins before its first forward inside Join (no batch at all) shadows the
+    active ranks' SUM of ``divide_by_initial_world_size=False``: DETAIL mode compares the
+    collectives of every rank, so a different op on the joined rank would fail the run."""
+    monkeypatch.setenv("RINGLET_DEBUG", "DETAIL")
+    counts = [0, 3]
+    results = run_threads(W.join_train, 2, counts, False, "mlp", {"bucket_cap_mb": 0.0005})
+    ref = W.join_reference(2, counts, False)
+    for params in results:
+        assert max((a - b).abs().max().item() for a, b in zip(params, ref)) < 1e-9
