@@ -211,18 +211,20 @@ def _op(divide_factor: float | None, world: int, force_sum: bool) -> tuple[Any, 
 
 def start_reduce_scatter(grads: Sequence[torch.Tensor | None], layout: GroupLayout, dtype: torch.dtype,
                          pg: ProcessGroup, divide_factor: float | None, pool: BufferPool,
-                         opts: CommOptions | None = None, always: bool = False) -> ReduceScatter | None:
+                         opts: CommOptions | None = None, always: bool = False,
+                         device: torch.device | None = None) -> ReduceScatter | None:
     """Reduce-scatter the unsharded gradients ``grads`` (None: no gradient) asynchronously.
 
     Returns None when no parameter has a gradient (then nothing is issued; ranks agree,
     since every rank ran the same forward and backward) unless ``always`` (zeros are reduced:
-    ``set_reduce_scatter_unused_params``).
+    ``set_reduce_scatter_unused_params``).  ``device``: the group's compute device (default:
+    the gradients'), where the input and output live.
     """
     with_grad = [i for i, g in enumerate(grads) if g is not None]
     if not with_grad and not always:
         return None
     opts = opts or CommOptions()
-    device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+    device = device or next((g.device for g in grads if g is not None), torch.device("cpu"))
     op, post_scale = _op(divide_factor, pg.size(), opts.force_sum)
     output = torch.empty(layout.shard_numel, dtype=dtype, device=device)
     comm = opts.reduce_scatter_comm

@@ -31,6 +31,7 @@ from torch import nn
 
 from ringlet.dtensor import DTensor
 from ringlet.parallel.fsdp import _collectives as C
+from ringlet.parallel.fsdp._device import ShardHome
 from ringlet.parallel.fsdp._mesh_info import MeshInfo
 from ringlet.parallel.fsdp._param import FSDPParam
 from ringlet.parallel.fsdp._shard_math import GroupLayout
@@ -52,8 +53,10 @@ class FSDPParamGroup:
 
     def __init__(self, module: nn.Module, params: list[FSDPParam], layout: GroupLayout,
                  shard_buffer: torch.Tensor, mesh_info: MeshInfo,
-                 mp_policy: MixedPrecisionPolicy) -> None:
+                 mp_policy: MixedPrecisionPolicy, home: ShardHome | None = None) -> None:
         self.module = module
+        # compute device and where the shards live ([Note: FSDP devices] in _device.py)
+        self.home = home or ShardHome(shard_buffer.device, None)
         self.params = params
         self.layout = layout
         self.shard_buffer = shard_buffer          # flat, padded, this rank's shards (orig dtype)
@@ -135,12 +138,13 @@ class FSDPParamGroup:
             if pf is not None and self.comm.post_forward_pg is not None:
                 self._pending_unshard = C.start_all_gather(pf, self.param_dtype, self.layout,
                                                            self.comm.post_forward_pg, async_op,
-                                                           self.pool)
+                                                           self.pool, device=self.home.device)
             else:
                 self._pending_unshard = C.start_all_gather(self.shard_buffer, self.param_dtype,
                                                            self.layout, self.mesh_info.shard_group,
                                                            async_op,
-                                                           self.pool, self.comm.all_gather_comm)
+                                                           self.pool, self.comm.all_gather_comm,
+                                                           device=self.home.device)
         if async_op:
             return True
         self.wait_for_unshard()
@@ -189,7 +193,7 @@ class FSDPParamGroup:
     def _alloc_unsharded(self) -> torch.Tensor:
         """The unsharded buffer's writable alias, (re)allocated in place if it was freed."""
         buf = self._unsharded
-        dtype, device = self.param_dtype, self.shard_buffer.device
+        dtype, device = self.param_dtype, self.home.device
         if buf is None or buf.dtype != dtype or buf.device != device:
             buf = torch.empty(self.layout.unsharded_numel, dtype=dtype, device=device)
             self._unsharded, self._unsharded_alias = buf, buf.data
@@ -230,7 +234,8 @@ class FSDPParamGroup:
             grads = [p.take_unsharded_grad(rd) if p.requires_grad else None for p in self.params]
             pg = self.comm.reduce_scatter_pg or self.mesh_info.shard_group
             rs = C.start_reduce_scatter(grads, self.layout, rd, pg, self.divide_factor, self.pool,
-                                        self.comm, always=self.reduce_scatter_unused_params)
+                                        self.comm, always=self.reduce_scatter_unused_params,
+                                        device=self.home.device)
             if rs is not None and self.reduce_scatter_unused_params:
                 rs.with_grad = [i for i, p in enumerate(self.params) if p.requires_grad]
             self._pending_reduce = rs
@@ -263,6 +268,7 @@ class FSDPParamGroup:
             self.all_reduce_hook(out)
         if out.dtype != self.orig_dtype:
             out = out.to(self.orig_dtype)
+        out = self.home.place(out)          # offloaded: the sharded .grad lives on the CPU
         with torch.no_grad():
             for i in sorted(with_grad):
                 p = self.params[i]
@@ -278,9 +284,13 @@ class FSDPParamGroup:
         grads = [p.sharded_param.grad for p in self.params]
         with torch.no_grad():
             self.shard_buffer = fn(self.shard_buffer)
+        # the shards went where fn put them, back to the CPU if offloaded
+        self.home = self.home.rebind(self.shard_buffer)
+        self.shard_buffer = self.home.place(self.shard_buffer)
         self._unsharded = self._unsharded_alias = None
         for p, g in zip(self.params, grads):
             p.bind_sharded(self.shard_buffer)
             if g is not None:
-                p.sharded_param.grad = p.to_dtensor(fn(cast(DTensor, g).to_local()))
+                local = self.home.place(fn(cast(DTensor, g).to_local()))
+                p.sharded_param.grad = p.to_dtensor(local)
             p.register(p.sharded_param)
