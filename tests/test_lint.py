@@ -31,7 +31,6 @@ PENDING_LINE_LENGTH = {
     "ringlet/parallel/ddp/_cuda.py",
     "ringlet/parallel/ddp/_reducer.py",
     "ringlet/parallel/fsdp/_collectives.py",
-    "tests/test_gpu.py",
 }
 
 
