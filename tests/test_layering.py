@@ -91,3 +91,19 @@ def test_imports_flow_downwards() -> None:
 def test_every_module_is_assigned_a_layer() -> None:
     missing = [m for m, _ in _modules() if m != "ringlet" and _layer(m) is None]
     assert not missing, f"add these to LAYERS: {missing}"
+
+
+def test_no_import_cycle_inside_the_package() -> None:
+    """No two modules import each other, even through imports inside functions (which Python
+    resolves late): a cycle means code sits in the wrong module (scripts/import_cycles.py)."""
+    import importlib.util
+
+    path = ROOT.parent / "scripts" / "import_cycles.py"
+    spec = importlib.util.spec_from_file_location("_import_cycles", path)
+    if spec is None or spec.loader is None:
+        raise AssertionError(f"cannot load {path}")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    edges = tool.graph(tool.modules())
+    found = tool.cycles(edges)
+    assert not found, f"import cycles (run {path.name} for the edges): {found}"

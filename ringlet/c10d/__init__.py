@@ -1,5 +1,7 @@
 """Process groups and collectives (the c10d layer): ringlet's own implementation."""
 
+from ringlet.c10d import collectives as _collectives
+from ringlet.c10d import p2p as _p2p
 from ringlet.c10d.backend import (
     Backend,
     is_backend_available,
@@ -58,6 +60,7 @@ from ringlet.c10d.options import (
     ScatterOptions,
 )
 from ringlet.c10d.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from ringlet.c10d.pg_methods import install_functional_api as _install
 from ringlet.c10d.reduce_op import ReduceOp, _make_nccl_premul_sum, reduce_op
 from ringlet.c10d.subgroups import split_group
 from ringlet.c10d.tools import agree, report_stragglers, stats
@@ -87,6 +90,8 @@ from ringlet.c10d.world_info import (
     set_debug_level,
     set_debug_level_from_env,
 )
+
+_install(_collectives, _p2p)     # ProcessGroup's torch-style methods run these
 
 # Grouped by kind (process groups, then operations and their types); see ringlet.distributed.
 __all__ = [  # noqa: RUF022

@@ -32,14 +32,25 @@ from ringlet.c10d.options import (
 from ringlet.c10d.reduce_op import ReduceOp
 from ringlet.transport.reduce import RedOpType
 
-__all__ = ["TorchGroupMethods"]
+__all__ = ["TorchGroupMethods", "install_functional_api"]
+
+# The methods run the functional collectives, which are built on ProcessGroup (this class's
+# subclass): the package hands them in when it loads (ringlet/c10d/__init__.py), so this module
+# never imports the layer above it.
+_FUNCTIONAL: dict[str, ModuleType] = {}
 
 
-def _api() -> ModuleType:
-    # The collectives import ProcessGroup (this class's subclass): imported at call time.
-    from ringlet.c10d import collectives
+def install_functional_api(collectives: ModuleType, p2p: ModuleType) -> None:
+    """Give ProcessGroup's methods the functional collectives (``ringlet.c10d`` does, once)."""
+    _FUNCTIONAL.update(collectives=collectives, p2p=p2p)
 
-    return collectives
+
+def _api(part: str = "collectives") -> ModuleType:
+    try:
+        return _FUNCTIONAL[part]
+    except KeyError:
+        raise RuntimeError(f"ProcessGroup methods: expected ringlet.c10d's {part} to be installed "
+                           "by the package, got none (import ringlet.c10d first)") from None
 
 
 def _one(tensors: Any, method: str, arg: str) -> torch.Tensor:
@@ -161,19 +172,15 @@ class TorchGroupMethods:
         _api().monitored_barrier(group=self, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
     def send(self, tensors: Any, dstRank: int, tag: int = 0) -> Any:
-        from ringlet.c10d import p2p
-
-        return p2p.isend(_one(tensors, "send", "tensors"), group=self, tag=tag, group_dst=dstRank)
+        return _api("p2p").isend(_one(tensors, "send", "tensors"), group=self, tag=tag,
+                                 group_dst=dstRank)
 
     def recv(self, tensors: Any, srcRank: int, tag: int = 0) -> Any:
-        from ringlet.c10d import p2p
-
-        return p2p.irecv(_one(tensors, "recv", "tensors"), group=self, tag=tag, group_src=srcRank)
+        return _api("p2p").irecv(_one(tensors, "recv", "tensors"), group=self, tag=tag,
+                                 group_src=srcRank)
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:
-        from ringlet.c10d import p2p
-
-        return p2p.irecv(_one(tensors, "recv_anysource", "tensors"), group=self, tag=tag)
+        return _api("p2p").irecv(_one(tensors, "recv_anysource", "tensors"), group=self, tag=tag)
 
     def set_timeout(self, timeout: timedelta | float) -> None:
         """Deadline of this group's later operations."""
