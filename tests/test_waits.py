@@ -28,9 +28,6 @@ from ringlet.transport.arena_wait import (
     SLEEPERS_OFF,
     SPIN_MAX_S,
     SPIN_MIN_S,
-    YIELD_LOST_S,
-    YIELD_MAX_LOSS,
-    YIELD_PROBE_EVERY,
     Spinner,
 )
 from ringlet.transport.base import OpContext
@@ -140,33 +137,6 @@ def test_spin_budget_follows_the_cpus_the_load_and_recent_waits(monkeypatch) -> 
     assert s.budget(time.monotonic()) == CONTENDED_SPIN_S
     s.allowed = False                                       # more ranks than CPUs: never spin
     assert s.budget(time.monotonic()) == 0.0
-
-
-def test_same_cpu_waits_stop_yielding_after_yields_lose_the_cpu() -> None:
-    """One lost yield is tolerated; two recent ones make same-CPU waits sleep at once, with a
-    probe every YIELD_PROBE_EVERY-th wait; yields that keep the CPU bring yielding back."""
-    s = Spinner()
-    assert s.may_yield()
-    s.yielded(True)
-    assert s.may_yield()                                    # one loss: still yields
-    s.yielded(True)
-    allowed = [s.may_yield() for _ in range(2 * YIELD_PROBE_EVERY)]
-    assert allowed.count(True) == 2                         # probes only
-    for _ in range(200):
-        s.yielded(False)
-    assert s.may_yield() and s.yield_loss < YIELD_MAX_LOSS
-
-
-def test_a_yield_that_loses_the_cpu_ends_the_spin(monkeypatch) -> None:
-    memory = bytearray(ArenaLayout(2, 4096, 4096).total)
-    arena = _arena(0, memory)
-    w = _Waiter(arena, _ctx(), time.monotonic())
-    w.yielding, w.spin_end = True, time.monotonic() + 10.0
-    assert w.spin() and arena.spinner.yield_loss == 0.0     # a quick yield: spin on
-    monkeypatch.setattr(os, "sched_yield", lambda: time.sleep(2 * YIELD_LOST_S))
-    assert not w.spin()                                     # another task ran: sleep now
-    assert not w.yielding and arena.spinner.yield_loss > 0.0
-    arena.release()
 
 
 def _planned(arena: Arena) -> _Waiter:

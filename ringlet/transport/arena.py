@@ -40,7 +40,6 @@ from ringlet.transport.arena_wait import (
     MAX_SLEEP,
     QUICK_POLLS,
     SPIN_MIN_S,
-    YIELD_LOST_S,
     Doorbell,
     Spinner,
     current_cpu,
@@ -291,8 +290,6 @@ class Arena:
                 if not still:
                     if waiter.spun:
                         self.spinner.waited(waiter.spin_end != 0.0)
-                    if waiter.yielding:             # it yielded, and kept its CPU
-                        self.spinner.yielded(False)
                     self._blame([ranks[k] for k in pending], time.monotonic() - t0)
                     return
                 pending = still
@@ -400,20 +397,9 @@ class _Waiter:
         if self.spin_end:
             if time.monotonic() < self.spin_end:
                 if self.yielding:
-                    return self._yield()
+                    os.sched_yield()
                 return True
             self.spin_end = 0.0
-        return False
-
-    def _yield(self) -> bool:
-        """Hand the CPU to the awaited rank; False (sleep now) if it went to another task."""
-        t = time.monotonic()
-        os.sched_yield()
-        if time.monotonic() - t < YIELD_LOST_S:
-            return True
-        self.arena.spinner.yielded(True)
-        self.yielding = False
-        self.spin_end = 0.0
         return False
 
     def plan(self, waiting_on: list[int], now: float) -> bool:
@@ -423,12 +409,8 @@ class _Waiter:
         left = arena.spinner.budget(now) - SPIN_MIN_S
         if left <= 0.0:
             return False
-        # The awaited rank last waited on this CPU: spin by handing the CPU over to it, unless
-        # yields lately lost the CPU to a third task ([Note: arena waits]): then sleep at once.
+        # The awaited rank last waited on this CPU: spin by handing the CPU over to it.
         self.yielding = arena.shares_cpu_with(waiting_on)
-        if self.yielding and not arena.spinner.may_yield():
-            self.yielding = False
-            return False
         self.spin_end = now + left
         return True
 

@@ -21,14 +21,7 @@ both, the peers' liveness and the deadline whenever it is about to sleep.
      (``sched_yield``) on every turn.  Measured with two ranks and two busy processes on 2 cores
      (bench/collectives.py --load 2): ranks placed on one CPU took 60-105 us per 8-byte
      all_reduce sleeping on the futex, ~24 us handing the CPU over by yielding; ranks on two
-     CPUs ~20 us with a 40 us spin, ~65 us without one (docs/benchmarks.md, "Under load");
-   - unless a third task shares that CPU: a yield may then hand it a whole time slice
-     (milliseconds).  A yield that kept the CPU away YIELD_LOST_S (1 ms) ends the spin; while
-     more than YIELD_MAX_LOSS of the recent yielding waits lost it (two losses, not one), waits
-     for a rank on this CPU sleep on the futex at once, every YIELD_PROBE_EVERY-th excepted.
-     Both ranks pinned to one CPU beside a busy process (8-byte ops, 5000 calls): 100-120 us
-     a call on average, against 750-770 us yielding every time; with the CPU to themselves
-     the ranks keep yielding (31-41 us, unchanged).
+     CPUs ~20 us with a 40 us spin, ~65 us without one (docs/benchmarks.md, "Loaded machine").
 2. **Sleep on the doorbell** -- a 32-bit word in the arena's header (``DOORBELL_OFF``) next to a
    byte per rank saying "this rank sleeps" (``SLEEPERS_OFF``).  A waiter reads the doorbell,
    marks itself sleeping, re-checks its condition, and calls ``FUTEX_WAIT(doorbell, value read,
@@ -81,10 +74,6 @@ SPIN_MIN_S = 5e-6         # when spinning rarely pays: catches a peer just about
 MIN_HITS = 0.25           # below this share of waits ended while spinning: SPIN_MIN_S
 HITS_WEIGHT = 1 / 16      # running average over ~16 waits
 PROBE_EVERY = 8           # ... but every 8th wait still spins fully
-YIELD_LOST_S = 1e-3       # a yield that kept the CPU away this long went to another task
-YIELD_WEIGHT = 1 / 32     # running average of lost yields over ~32 yielding waits
-YIELD_MAX_LOSS = 0.05     # above (two recent losses, not one): same-CPU waits sleep at once...
-YIELD_PROBE_EVERY = 32    # ... but every 32nd still yields, to notice when yields pay again
 LOAD_PERIOD = 0.05        # seconds between samples of the machine's runnable tasks
 
 
@@ -156,14 +145,12 @@ class Spinner:
     those catches raise ``hits`` again when waits get short.
     """
 
-    __slots__ = ("allowed", "hits", "probe", "yield_loss", "yield_wait")
+    __slots__ = ("allowed", "hits", "probe")
 
     def __init__(self) -> None:
         self.allowed = True
         self.hits = 1.0
         self.probe = 0
-        self.yield_loss = 0.0   # running average: yields that lost the CPU to another task
-        self.yield_wait = 0
 
     def budget(self, now: float) -> float:
         if not self.allowed:
@@ -177,20 +164,6 @@ class Spinner:
     def waited(self, spun: bool) -> None:
         """A wait ended, while spinning (``spun``) or after it slept."""
         self.hits += ((1.0 if spun else 0.0) - self.hits) * HITS_WEIGHT
-
-    def may_yield(self) -> bool:
-        """Whether a wait for a rank on this very CPU may spin by yielding to it, or should sleep
-        at once: yes while few recent yields lost the CPU to a third task (``yielded``), and on
-        every YIELD_PROBE_EVERY-th such wait anyway."""
-        if self.yield_loss < YIELD_MAX_LOSS:
-            return True
-        self.yield_wait += 1
-        return self.yield_wait % YIELD_PROBE_EVERY == 0
-
-    def yielded(self, lost: bool) -> None:
-        """A wait that yielded ended; ``lost``: a yield kept the CPU away for YIELD_LOST_S (a
-        third task on this CPU ran a time slice, milliseconds, before this rank got it back)."""
-        self.yield_loss += ((1.0 if lost else 0.0) - self.yield_loss) * YIELD_WEIGHT
 
 
 class Doorbell:

@@ -56,8 +56,11 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: Any = None,
         module: the module to shard; becomes an instance of ``FSDPModule`` and its own class.
             A list of modules forms one group ([Note: grouped modules] in ``_state.py``): e.g.
             ``fully_shard([norm, head])`` for a chunked loss that calls ``head`` per chunk.
-        mesh: a 1-d DeviceMesh (FSDP) or 2-d (HSDP: replicate axis 0, shard axis 1);
-            ``None``: a 1-d mesh over the default world.
+        mesh: a 1-d DeviceMesh (FSDP) or 2-d (HSDP: replicate axis 0, shard axis 1), of
+            device type ``"cpu"`` or ``"cuda"`` (computing on the current CUDA device; CPU
+            parameters are copied there shard by shard, buffers moved); ``None``: a 1-d mesh
+            over the default world, ``"cuda"`` if the parameters already are on CUDA, else
+            ``"cpu"``.
         reshard_after_forward: ``True`` frees the unsharded parameters after forward (re-gathered
             in backward); ``False`` keeps them; ``None`` (default): ``True`` except for the root;
             an int is a world size to reshard to after forward: 1 means False, the shard world
@@ -66,8 +69,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: Any = None,
         shard_placement_fn: ``param -> Shard(dim) | None`` to shard a parameter on another dim
             (that dim must divide evenly by the shard world size), e.g. ``Shard(1)``.
         mp_policy: :class:`MixedPrecisionPolicy`.
-        offload_policy: :class:`OffloadPolicy` or :class:`CPUOffloadPolicy` (a no-op: parameters
-            already live on the CPU).
+        offload_policy: :class:`OffloadPolicy` or :class:`CPUOffloadPolicy`: on a CUDA mesh
+            the shards, their gradients and so the optimizer state stay in (pinned) CPU memory
+            and are copied to the GPU for each all-gather; a no-op on a CPU mesh.
         ignored_params: parameters to leave alone (not sharded, gradients not reduced).
 
     Returns:
@@ -75,7 +79,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: Any = None,
 
     Raises:
         ValueError: ``module`` was already passed to fully_shard, scalar parameters, mixed dtypes
-            in one group, or a bad ``reshard_after_forward``.
+            or devices in one group, a mesh device type other than "cpu"/"cuda", or a bad
+            ``reshard_after_forward``.
         TypeError: arguments of the wrong type.
 
     Tensor parallelism: parameters that are already DTensors (on a mesh sliced from the same
@@ -93,9 +98,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: Any = None,
     """
     modules = _check_modules(module)
     _check_policies(mp_policy, offload_policy)
-    mesh_info = resolve_mesh(mesh)
+    mesh_info = resolve_mesh(mesh, modules)
     group = build_group(modules, mesh_info, mp_policy, shard_placement_fn,
-                        set(ignored_params or ()))
+                        set(ignored_params or ()), offload_policy)
     state = FSDPState(modules, group, mp_policy, None)
     apply_reshard_after_forward(state, reshard_after_forward, "fully_shard")
     for m in modules:

@@ -10,14 +10,30 @@ reduce-scatter and the collectives live -- and a *shard home*, where the sharded
   one when the module's parameters already are on CUDA, else a CPU one (torch picks CUDA whenever
   it is available: ringlet does not move a CPU model to a GPU behind the user's back);
 - parameters and buffers not on the compute device are moved there (parameters only as their
-  shards), as torch does;
+  shards: ``build_group`` copies this rank's shard of each into the shard buffer), as torch
+  does; buffers of submodules that an earlier ``fully_shard`` call manages stay where it put them;
 - the shard home is the compute device, except with :class:`CPUOffloadPolicy` on a GPU: then
   it is the CPU, in pinned memory (``pin_memory``), and each all-gather first copies the shard
-  to the GPU, each reduce-scatter's result is copied back to the CPU.  On a CPU compute device
-  the policy changes nothing.
+  to the GPU (``non_blocking``: pinned memory, so the copy is a DMA queued on the stream), each
+  reduce-scatter's result is copied back to the CPU before it is added into ``.grad``.  On a CPU
+  compute device the policy changes nothing;
+- the all-gather's output, the unsharded parameters, the reduce-scatter's input and output live
+  on the compute device (``comm_buffer`` only for CPU groups with a buffer heap,
+  ``_collectives.BufferPool``);
+- ``module._apply`` (``to_empty``, ``cuda()``, ``to(dtype)``) moves the shards: the compute device
+  follows them (:meth:`ShardHome.rebind`), except that offloaded shards go back to the CPU.
 
-Streams: the copy to the GPU and the all-gather are queued on the current stream and the
-group's side stream; see [Note: CUDA streams] in ``ringlet/c10d/_cuda.py``.
+Streams ([Note: CUDA streams] in ``ringlet/c10d/_cuda.py``): the copy to the GPU is queued on
+the current stream before the all-gather is issued, and the collective reads its input after
+every kernel queued there (on the current stream, or on the group's side stream after it waited
+for the current one), so it reads the copied shard.  fully_shard reads an asynchronous
+collective's output only after ``work.wait()`` (``_collectives.finish_all_gather``,
+``finish_reduce_scatter``), which orders the current stream after it.  The copy of a reduced
+shard back to the CPU is blocking -- the host reads it (gradient accumulation, the optimizer
+step) without looking at streams -- so it is the one host synchronisation that offloading adds
+per group and backward; it also means every earlier copy of a pinned shard to the GPU has run
+before the optimizer writes that shard again.  Without offloading fully_shard makes no host
+synchronisation, and on a CPU mesh no CUDA call at all.
 """
 
 from __future__ import annotations
@@ -51,14 +67,25 @@ def compute_device(mesh: Any) -> torch.device:
 
 
 def move_buffers(modules: Iterable[nn.Module], device: torch.device) -> None:
-    """Move the (materialised) buffers of ``modules`` to a non-CPU compute device."""
-    if device.type == "cpu":
-        return
+    """Move the materialised buffers of ``modules`` to the compute ``device``.
+
+    Submodules that an earlier ``fully_shard`` call manages keep theirs (that call placed
+    them); meta buffers stay on meta (deferred initialisation).  A no-op when every buffer is
+    already there, as on a CPU model sharded on a CPU mesh.
+    """
     for m in modules:
-        for sub in m.modules():
+        for sub in _unmanaged(m):
             for name, b in sub._buffers.items():
                 if b is not None and b.device != device and b.device.type != "meta":
                     sub._buffers[name] = b.to(device)
+
+
+def _unmanaged(module: nn.Module) -> Iterable[nn.Module]:
+    """``module`` and its submodules, without those under another fully_shard module."""
+    yield module
+    for child in module.children():
+        if "_fsdp_state" not in child.__dict__:
+            yield from _unmanaged(child)
 
 
 class ShardHome:
@@ -81,9 +108,15 @@ class ShardHome:
         return torch.zeros(numel, dtype=dtype, device=self.home, pin_memory=self.pin)
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (a shard buffer or sharded gradient) moved to the shard home if offloading."""
-        if not self.offload or t.device.type in ("cpu", "meta"):
+        """``t`` (a shard buffer or sharded gradient) moved to the shard home if offloading.
+
+        The copy from the GPU is blocking: the host reads the result (optimizer step, gradient
+        accumulation) without looking at streams.  A CPU tensor is pinned if it should be.
+        """
+        if not self.offload or t.device.type == "meta":
             return t
+        if t.device.type == "cpu":
+            return t.pin_memory() if self.pin and not t.is_pinned() else t
         out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
         return out.copy_(t)
 

@@ -10,12 +10,14 @@ import torch
 from torch import nn
 
 from ringlet.dtensor import DTensor, Shard
+from ringlet.parallel.fsdp import _device
+from ringlet.parallel.fsdp._device import ShardHome
 from ringlet.parallel.fsdp._mesh_info import MeshInfo
 from ringlet.parallel.fsdp._param import FSDPParam
 from ringlet.parallel.fsdp._param_group import FSDPParamGroup
 from ringlet.parallel.fsdp._shard_math import plan_group, shard_of
 from ringlet.parallel.fsdp._tp import TPLayout, tp_layout
-from ringlet.parallel.fsdp.policies import MixedPrecisionPolicy
+from ringlet.parallel.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["build_group", "collect_params", "normalize_reshard_after_forward"]
 
@@ -71,8 +73,13 @@ def _shard_dim(fn: Callable[[nn.Parameter], Any] | None, p: nn.Parameter, fqn: s
 
 def build_group(modules: list[nn.Module], mesh_info: MeshInfo, mp_policy: MixedPrecisionPolicy,
                 shard_placement_fn: Callable[[nn.Parameter], Any] | None,
-                ignored: set[nn.Parameter]) -> FSDPParamGroup | None:
+                ignored: set[nn.Parameter],
+                offload_policy: OffloadPolicy | None = None) -> FSDPParamGroup | None:
     """Shard the (remaining) parameters of ``modules`` into one group; None if they have none.
+
+    The group computes on the mesh's device; the shards live there too, or in (pinned) CPU
+    memory under :class:`CPUOffloadPolicy` on a GPU ([Note: FSDP devices] in ``_device.py``).
+    Parameters elsewhere are copied there shard by shard, buffers moved there.
 
     A parameter that is already a DTensor (tensor parallelism) is sharded as its local tensor
     and becomes a DTensor on the combined data x tensor parallel mesh (``_tp.py``).
@@ -87,10 +94,36 @@ def build_group(modules: list[nn.Module], mesh_info: MeshInfo, mp_policy: MixedP
         found = collect_params(m, set(ignored) | {e[0] for e in entries})
         entries += found
         homes += [m] * len(found)
+    name = "+".join(type(m).__name__ for m in modules)
+    _check_params(entries, name)
+    home = ShardHome(_device.compute_device(mesh_info.mesh), offload_policy)
+    _device.move_buffers(modules, home.device)
     if not entries:
         return None
-    module = modules[0]
-    name = "+".join(type(m).__name__ for m in modules)
+    dims = [_shard_dim(shard_placement_fn, p, fqns[0]) for p, _, fqns in entries]
+    tps = [_tp_of(p, mesh_info, d, f"{name}.{fqns[0]}") for (p, _, fqns), d in zip(entries, dims)]
+    locals_ = [p._local_tensor if isinstance(p, DTensor) else p for p, _, _ in entries]
+    layout = plan_group([t.shape for t in locals_], dims, mesh_info.shard_size)
+    p0 = locals_[0]
+    shard_buffer = home.zeros(layout.shard_numel, p0.dtype, meta=p0.device.type == "meta")
+    params = []
+    with torch.no_grad():
+        rows = zip(entries, layout.specs, locals_, tps)
+        for i, ((p, owners, fqns), spec, local, tp) in enumerate(rows):
+            fp = FSDPParam(i, spec, owners, fqns, p.requires_grad, mesh_info, tp)
+            # the fully_shard module whose state dict names it (fqns are relative to it)
+            fp.home = homes[i]
+            if p.device.type != "meta":     # copies only this rank's shard to the shard home
+                fp.local_view(shard_buffer).copy_(shard_of(local.detach(), spec,
+                                                           mesh_info.shard_rank))
+            fp.bind_sharded(shard_buffer)
+            fp.register(fp.sharded_param)
+            params.append(fp)
+    return FSDPParamGroup(modules[0], params, layout, shard_buffer, mesh_info, mp_policy,
+                          home=home)
+
+
+def _check_params(entries: list[tuple[nn.Parameter, Any, list[str]]], name: str) -> None:
     for p, _, fqns in entries:
         if p.dim() == 0:
             raise ValueError(f"fully_shard({name}): {fqns[0]}: expected a parameter with at least "
@@ -101,29 +134,6 @@ def build_group(modules: list[nn.Module], mesh_info: MeshInfo, mp_policy: MixedP
         raise ValueError(f"fully_shard({name}): expected one dtype and one device per group, got "
                          f"dtypes {sorted(map(str, dtypes))} and devices {sorted(devices)}; call "
                          "fully_shard on the submodules that differ first")
-    if devices - {"cpu", "meta"}:
-        raise ValueError(f"fully_shard({name}): expected parameters on 'cpu' or "
-                         f"'meta', got {devices.pop()!r}")
-    dims = [_shard_dim(shard_placement_fn, p, fqns[0]) for p, _, fqns in entries]
-    tps = [_tp_of(p, mesh_info, d, f"{name}.{fqns[0]}") for (p, _, fqns), d in zip(entries, dims)]
-    locals_ = [p._local_tensor if isinstance(p, DTensor) else p for p, _, _ in entries]
-    layout = plan_group([t.shape for t in locals_], dims, mesh_info.shard_size)
-    p0 = locals_[0]
-    shard_buffer = torch.zeros(layout.shard_numel, dtype=p0.dtype, device=p0.device)
-    params = []
-    with torch.no_grad():
-        rows = zip(entries, layout.specs, locals_, tps)
-        for i, ((p, owners, fqns), spec, local, tp) in enumerate(rows):
-            fp = FSDPParam(i, spec, owners, fqns, p.requires_grad, mesh_info, tp)
-            # the fully_shard module whose state dict names it (fqns are relative to it)
-            fp.home = homes[i]
-            if p.device.type != "meta":
-                fp.local_view(shard_buffer).copy_(shard_of(local.detach(), spec,
-                                                           mesh_info.shard_rank))
-            fp.bind_sharded(shard_buffer)
-            fp.register(fp.sharded_param)
-            params.append(fp)
-    return FSDPParamGroup(module, params, layout, shard_buffer, mesh_info, mp_policy)
 
 
 def _tp_of(p: nn.Parameter, mesh_info: MeshInfo, dim: int, fqn: str) -> TPLayout | None:

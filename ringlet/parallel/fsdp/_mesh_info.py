@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from typing import Any
+
+from torch import nn
 
 from ringlet.c10d.group import ProcessGroup
 from ringlet.dtensor import Replicate, Shard
 from ringlet.mesh import DeviceMesh, init_device_mesh
+from ringlet.parallel.fsdp import _device
 
 __all__ = ["MeshInfo", "resolve_mesh", "subgroups"]
 
@@ -52,23 +56,27 @@ class MeshInfo:
         return f"MeshInfo({kind}, shard rank {self.shard_rank})"
 
 
-def resolve_mesh(mesh: Any) -> MeshInfo:
-    """Build a :class:`MeshInfo` from ``mesh`` (``None``: a 1-d mesh over the default world).
+def resolve_mesh(mesh: Any, modules: Iterable[nn.Module] = ()) -> MeshInfo:
+    """Build a :class:`MeshInfo` from ``mesh``.
+
+    ``None``: a 1-d mesh over the default world, a ``"cuda"`` one when the parameters of
+    ``modules`` already are on CUDA, else a ``"cpu"`` one ([Note: FSDP devices] in
+    ``_device.py``: a CPU model is not moved to a GPU unasked).
 
     Raises:
         TypeError: ``mesh`` is not a DeviceMesh.
-        ValueError: a mesh of more than 2 axes, or a device type other than "cpu".
+        ValueError: a mesh of more than 2 axes, or a device type other than "cpu" or "cuda".
     """
     if mesh is None:
         from ringlet.c10d.world import get_world_size
 
-        mesh = init_device_mesh("cpu", (get_world_size(),))
+        mesh = init_device_mesh(_device.default_mesh_type(modules), (get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError("fully_shard: mesh: expected a DeviceMesh or None, "
                         f"got {type(mesh).__name__}")
-    if getattr(mesh, "device_type", "cpu") != "cpu":
-        raise ValueError("fully_shard: mesh: expected device type 'cpu' (ringlet serves CPU "
-                         f"tensors), got {mesh.device_type!r}")
+    if getattr(mesh, "device_type", "cpu") not in ("cpu", "cuda"):
+        raise ValueError("fully_shard: mesh: expected device type 'cpu' or 'cuda', "
+                         f"got {mesh.device_type!r}")
     if mesh.ndim == 1:
         pg = mesh.get_group(0)
         return MeshInfo(mesh, pg, pg.rank(), pg.size(), None, 1)

@@ -1,0 +1,216 @@
+"""fully_shard's device decisions ([Note: FSDP devices] in ringlet/parallel/fsdp/_device.py).
+
+No GPU here: the ``meta`` device plays the GPU.  ``_device.compute_device`` is patched to answer
+``meta``, so a CPU model sharded on a CPU mesh computes "on the GPU": its parameters are moved
+there as shards, its buffers too, and under ``CPUOffloadPolicy`` the shards stay on the CPU.  The
+collectives are replaced by recorders (meta tensors carry no data, and the point is what each
+collective is given), and the copy of a reduced shard back to the CPU by one that records its
+input and returns known values, so that the optimizer's step on the CPU shards can be checked.
+The real CUDA run is ``test_fully_shard_one_rank_on_cuda_matches_single_process`` in
+tests/test_gpu.py (skipped without a device).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ringlet.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from ringlet.mesh import DeviceMesh
+from ringlet.parallel.fsdp import _collectives, _device, _mesh_info
+from ringlet.parallel.fsdp._device import ShardHome
+from ringlet.testing import run_threads
+
+GPU = torch.device("meta")          # plays the CUDA device
+
+
+class _Work:
+    """An async collective's Work: reading its output before ``wait()`` is the bug we look for."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        self.output, self.waited = output, False
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+
+@pytest.fixture
+def stand_in_gpu(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+    """Compute on ``meta``; record every all-gather, reduce-scatter and copy back to the CPU."""
+    seen: dict[str, list[Any]] = {"all_gather": [], "reduce_scatter": [], "to_cpu": [],
+                                  "works": []}
+    monkeypatch.setattr(_device, "compute_device", lambda mesh: GPU)
+
+    def collective(op: str) -> Any:
+        def call(output: torch.Tensor, source: torch.Tensor, *, group: Any = None,
+                 async_op: bool = False, **kw: Any) -> Any:
+            seen[op].append((source.device, source.dtype, output.device, output.dtype, async_op))
+            if not async_op:
+                return None
+            work = _Work(output)
+            seen["works"].append(work)
+            return work
+        return call
+    monkeypatch.setattr(_collectives, "all_gather_into_tensor", collective("all_gather"))
+    monkeypatch.setattr(_collectives, "reduce_scatter_tensor", collective("reduce_scatter"))
+
+    read_out = _collectives.copy_out
+
+    def copy_out(gathered: torch.Tensor, unsharded: torch.Tensor, layout: Any) -> None:
+        pending = [w for w in seen["works"] if w.output is gathered and not w.waited]
+        if pending:
+            raise AssertionError("an all-gather's output was read before its work.wait()")
+        read_out(gathered, unsharded, layout)
+    monkeypatch.setattr(_collectives, "copy_out", copy_out)
+
+    place = ShardHome.place
+
+    def to_cpu(self: ShardHome, t: torch.Tensor) -> torch.Tensor:
+        if t.device != GPU:
+            return place(self, t)
+        if any(not w.waited for w in seen["works"] if w.output is t):
+            raise AssertionError("a reduce-scatter's output was read before its work.wait()")
+        seen["to_cpu"].append((t.device, t.dtype, self.offload))
+        return torch.full(t.shape, 0.5, dtype=t.dtype)       # the "reduced gradient"
+    monkeypatch.setattr(ShardHome, "place", to_cpu)
+    return seen
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model.register_buffer("scale", torch.ones(2))
+    return model
+
+
+def _local(p: Any) -> torch.Tensor:
+    return p.to_local()
+
+
+def _offloaded(rank: int, n: int) -> dict[str, Any]:
+    model = _model()
+    before = [_shard(p.detach(), rank, n) for p in model.parameters()]
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    off = CPUOffloadPolicy(pin_memory=False)        # pinning needs CUDA
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mp_policy=mp, offload_policy=off)
+    fully_shard(model, mp_policy=mp, offload_policy=off)
+    state = model[0]._get_fsdp_state()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {"home": repr(state.group.home), "buffer": model.scale.device,
+           "shards": {_local(p).device for p in model.parameters()}}
+    for _ in range(2):                  # the second iteration prefetches in forward too
+        y = model(torch.randn(3, 4, device=GPU))
+        out["output"] = y.device
+        y.sum().backward()
+        out["grads"] = {(_local(p.grad).device, _local(p.grad).dtype) for p in model.parameters()}
+        opt.step()
+        opt.zero_grad()
+    out["step"] = [(_local(p) - b).tolist() for p, b in zip(model.parameters(), before)]
+    return out
+
+
+def _shard(t: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    return t.chunk(n)[rank].clone()
+
+
+def test_offloaded_shards_stay_on_the_cpu_and_collectives_run_on_the_gpu(
+        stand_in_gpu: dict[str, list[Any]]) -> None:
+    got = run_threads(_offloaded, 2)
+    for r in got:
+        assert r["home"] == "ShardHome(compute meta, shards offloaded to CPU)"
+        assert r["shards"] == {torch.device("cpu")} and r["buffer"] == GPU
+        assert r["output"] == GPU
+        assert r["grads"] == {(torch.device("cpu"), torch.float32)}
+        # two SGD steps of lr 0.1 on gradients of 0.5, on the CPU shards
+        for delta in r["step"]:
+            flat = torch.tensor(delta).flatten()
+            torch.testing.assert_close(flat, torch.full_like(flat, -0.1))
+    ag, rs = stand_in_gpu["all_gather"], stand_in_gpu["reduce_scatter"]
+    # every all-gather is given the shard copied to the GPU, in the compute dtype
+    assert ag and {a[:4] for a in ag} == {(GPU, torch.bfloat16, GPU, torch.bfloat16)}
+    assert any(a[4] for a in ag), "no prefetch (async) all-gather was issued"
+    assert rs and {r[:4] for r in rs} == {(GPU, torch.float32, GPU, torch.float32)}
+    assert all(r[4] for r in rs)
+    # each reduce-scatter's result goes back to the CPU: 2 groups x 2 ranks x 2 iterations
+    assert stand_in_gpu["to_cpu"] == [(GPU, torch.float32, True)] * 8
+    assert all(w.waited for w in stand_in_gpu["works"])
+
+
+def _on_device(rank: int, n: int) -> tuple[Any, ...]:
+    model = _model()
+    fully_shard(model)
+    group = model._get_fsdp_state().group
+    return (repr(group.home), {_local(p).device for p in model.parameters()},
+            group.shard_buffer.device, model.scale.device)
+
+
+def test_cpu_parameters_move_to_the_compute_device_as_shards(
+        stand_in_gpu: dict[str, list[Any]]) -> None:
+    for home, shards, buffer, scale in run_threads(_on_device, 2):
+        assert home == "ShardHome(compute meta, shards on device)"
+        assert shards == {GPU} and buffer == GPU and scale == GPU
+
+
+def _cpu_step(rank: int, n: int) -> list[float]:
+    model = _model()
+    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=True))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return [float(_local(p).detach().sum()) for p in model.parameters()]
+
+
+def test_the_cpu_path_makes_no_cuda_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU mesh nothing asks CUDA anything (no host sync, no pinning, no stream)."""
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a CUDA call on the CPU path")
+    for name in ("current_device", "current_stream", "synchronize", "Stream", "Event"):
+        monkeypatch.setattr(torch.cuda, name, refuse)
+    for name in ("pin_memory", "is_pinned", "record_stream"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    a, b = run_threads(_cpu_step, 2)
+    assert len(a) == len(b) == 4
+
+
+def test_default_mesh_follows_the_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No mesh: a CUDA mesh only for a model already on CUDA; a CPU model stays on the CPU."""
+    fake = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(
+        device=torch.device("cuda", 0))]))
+    assert _device.default_mesh_type([nn.Linear(2, 2), fake]) == "cuda"
+    assert _device.default_mesh_type([nn.Linear(2, 2)]) == "cpu"
+    asked: list[str] = []
+
+    def init_device_mesh(kind: str, shape: tuple[int, ...]) -> Any:
+        asked.append(kind)
+        return DeviceMesh("cpu", list(range(shape[0])))
+
+    def resolve(rank: int, n: int) -> None:
+        _mesh_info.resolve_mesh(None, [nn.Linear(2, 2)])
+        _mesh_info.resolve_mesh(None, [fake])
+    monkeypatch.setattr(_mesh_info, "init_device_mesh", init_device_mesh)
+    run_threads(resolve, 1)
+    assert asked == ["cpu", "cuda"]
+
+
+def test_a_mesh_of_another_device_type_is_refused() -> None:
+    def body(rank: int, n: int) -> None:
+        mesh = DeviceMesh("cpu", [0])
+        mesh._device_type = "xpu"
+        with pytest.raises(ValueError, match="expected device type 'cpu' or 'cuda', got 'xpu'"):
+            fully_shard(nn.Linear(2, 2), mesh=mesh)
+    run_threads(body, 1)
+
+
+def test_move_buffers_leaves_managed_submodules_alone() -> None:
+    inner, outer = nn.BatchNorm1d(2), nn.Sequential(nn.BatchNorm1d(2), nn.Linear(2, 2))
+    outer.append(inner)
+    inner.__dict__["_fsdp_state"] = object()            # placed by its own fully_shard call
+    _device.move_buffers([outer], GPU)
+    assert outer[0].running_mean.device == GPU
+    assert inner.running_mean.device == torch.device("cpu")
