@@ -21,7 +21,11 @@ both, the peers' liveness and the deadline whenever it is about to sleep.
      (``sched_yield``) on every turn.  Measured with two ranks and two busy processes on 2 cores
      (bench/collectives.py --load 2): ranks placed on one CPU took 60-105 us per 8-byte
      all_reduce sleeping on the futex, ~24 us handing the CPU over by yielding; ranks on two
-     CPUs ~20 us with a 40 us spin, ~65 us without one (docs/benchmarks.md, "Loaded machine").
+     CPUs ~20 us with a 40 us spin, ~65 us without one (docs/benchmarks.md, "Under load").
+     Tried and dropped: sleeping at once instead of yielding once yields had lost the CPU to
+     a third task on it.  Pinned there it changed little (106-132 vs 109-127 us a call), and
+     unpinned it kept the ranks on one CPU far longer (sleeping ranks look idle to the load
+     balancer): 27-72 us per 8-byte all_reduce against 24-34 (bench/waits.py, alternating).
 2. **Sleep on the doorbell** -- a 32-bit word in the arena's header (``DOORBELL_OFF``) next to a
    byte per rank saying "this rank sleeps" (``SLEEPERS_OFF``).  A waiter reads the doorbell,
    marks itself sleeping, re-checks its condition, and calls ``FUTEX_WAIT(doorbell, value read,
