@@ -7,6 +7,7 @@ Rows: collectives on NCCL (1 rank) and staged through host memory over ringlet's
 (``"gloo"``, 2 ranks sharing cuda:0); the same with a slow kernel (``torch.cuda._sleep``) queued
 before each collective (stream ordering); DDP and fully_shard training ``--steps`` steps on CUDA,
 1 rank on NCCL and 2 ranks sharing the GPU, losses against the same training in one process;
+fully_shard the same under ``CPUOffloadPolicy`` (shards and gradients in pinned CPU memory);
 the step time of DDP and fully_shard against torch's own DDP and FSDP2 on NCCL (fails above
 ``--max-ratio``).  Every ringlet row runs in fresh processes (``ringlet.testing.run_world``), the
 torch baselines in a child process of this script.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -121,16 +123,26 @@ def _losses(model: nn.Module, steps: int, rank: int, n: int, reduce: Callable) -
 
 def train(rank: int, n: int, strategy: str, steps: int) -> list[float]:
     """``steps`` steps of DDP or fully_shard on cuda:0; raises unless the mean losses equal
-    the same training on the whole batch in this process."""
+    the same training on the whole batch in this process.  ``"fully_shard offload"``: under
+    ``CPUOffloadPolicy``, whose shards and gradients must be in pinned CPU memory."""
     import ringlet.distributed as dist
-    from ringlet.distributed.fsdp import fully_shard
+    from ringlet.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from ringlet.nn.parallel import DistributedDataParallel
 
     local = _model()
-    model = _parallel(copy.deepcopy(local), strategy, DistributedDataParallel, fully_shard)
+    offload = strategy.endswith("offload")
+    shard = functools.partial(fully_shard, offload_policy=CPUOffloadPolicy()) if offload \
+        else fully_shard
+    model = _parallel(copy.deepcopy(local), strategy, DistributedDataParallel, shard)
     got = _losses(model, steps, rank, n, dist.all_reduce)
     want = _whole(local, steps, n)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL)
+    if offload:
+        for p in model.parameters():
+            shard_, grad = p.to_local(), p.grad.to_local()
+            _check(shard_.is_pinned() and grad.is_pinned(),
+                   f"offloaded shard on {shard_.device}, its grad on {grad.device}: expected "
+                   "both in pinned CPU memory")
     return got
 
 
@@ -223,7 +235,7 @@ def rows(me: Any, steps: int, max_ratio: float) -> list[tuple[str, Callable[[], 
                     lambda s=slow: _world(1, me.collectives, s, backend="nccl")))
         out.append((f"collectives{tag} staged 2 ranks (gloo, shared GPU)",
                     lambda s=slow: _world(2, me.collectives, s, backend="gloo")))
-    for strategy in ("ddp", "fully_shard"):
+    for strategy in ("ddp", "fully_shard", "fully_shard offload"):
         out.append((f"{strategy} {steps} steps nccl 1 rank vs single process",
                     lambda st=strategy: _world(1, me.train, st, steps, backend="nccl")[0][-1]))
         out.append((f"{strategy} {steps} steps staged 2 ranks vs single process",

@@ -89,18 +89,36 @@ def shared_gpu(rank: int, n: int) -> str:
     return "ok"
 
 
-def fsdp_vs_local(rank: int, n: int) -> str:
-    """fully_shard on CUDA against the same training without it."""
-    from ringlet.distributed.fsdp import fully_shard
+def fsdp_vs_local(rank: int, n: int, how: str = "cuda") -> str:
+    """fully_shard on CUDA against the same training without it.
+
+    ``how``: ``"cuda"`` a CUDA model, the default mesh (a CUDA one); ``"offload"`` the same
+    under ``CPUOffloadPolicy`` (shards and grads in pinned CPU memory); ``"cpu-model"`` a CPU
+    model on an explicit CUDA mesh (moved to the GPU as shards).
+    """
+    from ringlet.distributed.device_mesh import init_device_mesh
+    from ringlet.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     device = torch.device("cuda", 0)
     local = _model(device)
     sharded = copy.deepcopy(local)
+    kw: dict[str, Any] = {}
+    if how == "offload":
+        kw["offload_policy"] = CPUOffloadPolicy()
+    elif how == "cpu-model":
+        sharded, kw["mesh"] = sharded.cpu(), init_device_mesh("cuda", (n,))
     for layer in sharded:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(sharded)
+            fully_shard(layer, **kw)
+    fully_shard(sharded, **kw)
     got = _train(sharded, _batches(n, device), rank, n)
     want = _train(local, _batches(n, device), 0, 1)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
+    for p in sharded.parameters():
+        shard, grad = p.to_local(), p.grad.to_local()
+        if how == "offload":
+            assert shard.device.type == grad.device.type == "cpu", (shard.device, grad.device)
+            assert shard.is_pinned() and grad.is_pinned()
+        else:
+            assert shard.device == grad.device == device, (shard.device, grad.device)
     return "ok"

@@ -421,12 +421,14 @@ def test_two_ranks_share_a_gpu_with_gloo_staging() -> None:
 
 @NEEDS_CUDA
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(raises=ValueError, strict=True,
-                   reason="fully_shard on CUDA is not wired yet (docs/gpu.md#device-placement)")
-def test_fully_shard_one_rank_on_cuda_matches_single_process() -> None:
+@pytest.mark.parametrize("how", ["cuda", "offload", "cpu-model"])
+def test_fully_shard_one_rank_on_cuda_matches_single_process(how: str) -> None:
+    """A CUDA model (default mesh), the same offloaded to pinned CPU memory, a CPU model on a
+    CUDA mesh: the losses of the same training in one process (tests/test_fsdp_devices.py checks
+    the device decisions without a GPU)."""
     dist.init_process_group("nccl", store=HashStore(), rank=0, world_size=1)
     try:
-        _gpu_workers.fsdp_vs_local(0, 1)
+        assert _gpu_workers.fsdp_vs_local(0, 1, how) == "ok"
     finally:
         dist.destroy_process_group()
 
@@ -460,4 +462,6 @@ def test_gpu_check_parses_and_lists_the_rows_of_issue_20() -> None:
         "ddp 10 steps staged 2 ranks vs single process",
         "fully_shard 10 steps nccl 1 rank vs single process",
         "fully_shard 10 steps staged 2 ranks vs single process",
+        "fully_shard offload 10 steps nccl 1 rank vs single process",
+        "fully_shard offload 10 steps staged 2 ranks vs single process",
         "speed ddp vs torch (1 rank nccl)", "speed fully_shard vs torch (1 rank nccl)"]
