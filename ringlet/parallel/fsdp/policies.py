@@ -63,11 +63,12 @@ class OffloadPolicy:
 class CPUOffloadPolicy(OffloadPolicy):
     """Keep sharded parameters, gradients and optimizer state on the CPU.
 
-    ringlet serves CPU tensors, so parameters already live on the CPU and this policy
-    is accepted as a no-op; ``pin_memory`` is ignored when CUDA is not available.
+    On a CUDA mesh the shards and their ``.grad`` stay in CPU memory (so the optimizer steps
+    there); each all-gather copies the shard to the GPU first and each reduced gradient shard is
+    copied back.  On a CPU mesh everything already lives on the CPU: the policy changes nothing.
 
     Args:
-        pin_memory: pin the CPU copies (only meaningful with CUDA).
+        pin_memory: pin the CPU copies (faster, non-blocking copies to the GPU; CUDA only).
 
     Raises:
         TypeError: ``pin_memory`` is not a bool.
