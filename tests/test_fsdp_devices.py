@@ -214,3 +214,31 @@ def test_move_buffers_leaves_managed_submodules_alone() -> None:
     _device.move_buffers([outer], GPU)
     assert outer[0].running_mean.device == GPU
     assert inner.running_mean.device == torch.device("cpu")
+
+
+def _deferred(rank: int, n: int) -> tuple[Any, ...]:
+    with torch.device("meta"):
+        model = _model()
+    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    group = model._get_fsdp_state().group
+    before = group.shard_buffer.device
+    model.to_empty(device="cpu")            # materialise the offloaded shards where they live
+    model.to(torch.float64)
+    return before, repr(group.home), group.shard_buffer.device, group.shard_buffer.dtype
+
+
+def test_offloaded_shards_materialise_on_the_cpu_and_compute_stays_on_the_gpu(
+        stand_in_gpu: dict[str, list[Any]]) -> None:
+    for before, home, after, dtype in run_threads(_deferred, 2):
+        assert before == torch.device("meta")
+        assert home == "ShardHome(compute meta, shards offloaded to CPU)"
+        assert after == torch.device("cpu") and dtype == torch.float64
+
+
+def test_an_unmaterialised_group_names_the_device_to_materialise_on() -> None:
+    def body(rank: int, n: int) -> None:
+        model = nn.Linear(2, 2, device="meta")
+        fully_shard(model)
+        with pytest.raises(RuntimeError, match=r"to_empty\(device='cpu'\)"):
+            model(torch.randn(1, 2))
+    run_threads(body, 1)

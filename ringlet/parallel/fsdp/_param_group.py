@@ -132,8 +132,8 @@ class FSDPParamGroup:
             if self.shard_buffer.device.type == "meta":
                 raise RuntimeError(f"fully_shard({type(self.module).__name__}): expected "
                                    "materialised parameters, got parameters on the meta device; "
-                                   "call module.to_empty(device='cpu') and initialise them "
-                                   "(e.g. reset_parameters()) first")
+                                   f"call module.to_empty(device='{self.home.device.type}') and "
+                                   "initialise them (e.g. reset_parameters()) first")
             pf = self._post_forward_shard
             if pf is not None and self.comm.post_forward_pg is not None:
                 self._pending_unshard = C.start_all_gather(pf, self.param_dtype, self.layout,
