@@ -104,8 +104,8 @@ def _offloaded(rank: int, n: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = {"home": repr(state.group.home), "buffer": model.scale.device,
            "shards": {_local(p).device for p in model.parameters()}}
-    for _ in range(2):                  # the second iteration prefetches in forward too
-        y = model(torch.randn(3, 4, device=GPU))
+    for device in (GPU, "cpu"):         # the second iteration prefetches in forward too
+        y = model(torch.randn(3, 4, device=device))     # the root moves inputs to its device
         out["output"] = y.device
         y.sum().backward()
         out["grads"] = {(_local(p.grad).device, _local(p.grad).dtype) for p in model.parameters()}
@@ -155,6 +155,17 @@ def test_cpu_parameters_move_to_the_compute_device_as_shards(
     for home, shards, buffer, scale in run_threads(_on_device, 2):
         assert home == "ShardHome(compute meta, shards on device)"
         assert shards == {GPU} and buffer == GPU and scale == GPU
+
+
+def _one_group(rank: int, n: int) -> Any:
+    model = fully_shard(_model(), offload_policy=CPUOffloadPolicy(pin_memory=False))
+    return model(torch.ones(1, 4)).device
+
+
+def test_the_root_moves_its_inputs_to_the_compute_device(
+        stand_in_gpu: dict[str, list[Any]]) -> None:
+    """A CPU batch reaches the (stand-in) GPU; the root of _offloaded has no group of its own."""
+    assert run_threads(_one_group, 2) == [GPU, GPU]
 
 
 def _cpu_step(rank: int, n: int) -> list[float]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringlet.parallel.fsdp import _device
 from ringlet.parallel.fsdp._collectives import BufferPool
 from ringlet.parallel.fsdp._controls import FSDPControls, apply_reshard_after_forward
 from ringlet.parallel.fsdp._init import build_group
@@ -101,7 +102,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: Any = None,
     mesh_info = resolve_mesh(mesh, modules)
     group = build_group(modules, mesh_info, mp_policy, shard_placement_fn,
                         set(ignored_params or ()), offload_policy)
-    state = FSDPState(modules, group, mp_policy, None)
+    state = FSDPState(modules, group, mp_policy, None, _device.compute_device(mesh_info.mesh))
     apply_reshard_after_forward(state, reshard_after_forward, "fully_shard")
     for m in modules:
         m.__dict__["_fsdp_state"] = state

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ringlet.parallel.ddp._cuda import move_to
 from ringlet.parallel.fsdp._collectives import BufferPool
 from ringlet.parallel.fsdp._param_group import FSDPParamGroup, ShardedState
 from ringlet.parallel.fsdp.policies import MixedPrecisionPolicy
@@ -94,8 +95,10 @@ class FSDPState:
     """The hooks and training state of one ``fully_shard(module)`` call."""
 
     def __init__(self, modules: list[nn.Module], group: FSDPParamGroup | None,
-                 mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool | int | None) -> None:
+                 mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool | int | None,
+                 device: torch.device | None = None) -> None:
         self.modules = modules                                # [Note: grouped modules]
+        self.device = device or torch.device("cpu")          # the mesh's compute device
         self.module = modules[0]
         self.group = group
         self.mp_policy = mp_policy
@@ -207,6 +210,7 @@ class FSDPState:
             return args, kwargs
         if self.is_root:
             ctx.root_pre_forward()
+            args, kwargs = self._inputs_to_device(args, kwargs)
         self.transition(_T.FORWARD, "pre-forward")
         if self.group is not None:
             self.group._post_forward_shard = None   # kept only from this forward's unshard
@@ -244,6 +248,15 @@ class FSDPState:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward_hook)
         return output
+
+    def _inputs_to_device(self, args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The root moves its tensor inputs to its compute device, as torch's FSDP2 does (a GPU:
+        [Note: FSDP devices] in ``_device.py``); on the CPU nothing is touched."""
+        device = self.group.home.device if self.group is not None else self.device
+        if device.type == "cpu":
+            return args, kwargs
+        return move_to(args, device), move_to(kwargs, device)
 
     def _reshard_after_forward(self) -> bool:
         r = self.reshard_after_forward
