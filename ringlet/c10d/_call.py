@@ -62,8 +62,7 @@ def flatten_tensors(x: Any) -> list[torch.Tensor]:
     return out
 
 
-def _later(pg: ProcessGroup, async_op: bool) -> bool:
-    return async_op or pg._executor.pending > 0
+_profiling = torch._C._autograd._profiler_enabled
 
 
 def launch(pg: ProcessGroup, name: str, fn: Callable[[], None], ctx: OpContext, result: Any,
@@ -71,8 +70,11 @@ def launch(pg: ProcessGroup, name: str, fn: Callable[[], None], ctx: OpContext, 
     """:meth:`ProcessGroup.run` with the profiler label and, when queued, the re-proof.
 
     ``inputs``: the tensors the profiler event records (default: ``result``)."""
-    if _later(pg, async_op) or torch._C._autograd._profiler_enabled():
+    if async_op or pg._executor.pending > 0 or _profiling():
         fn = _reproving(fn, result, name)
+    elif not pg._accel:
+        pg.run_now(fn, ctx, result, guard)     # the latency path: inline, no Work
+        return None
     return pg.run(fn, ctx, result, async_op, guard, label=name, inputs=inputs)
 
 

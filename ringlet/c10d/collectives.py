@@ -80,7 +80,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     # gloo's sparse SUM (ringlet.c10d.sparse)
     if getattr(tensor, "layout", None) is torch.sparse_coo:
         return sparse.all_reduce(pg, tensor, op, async_op, all_gather_into_tensor, all_gather)
-    t = checks.tensor(tensor, "all_reduce", "tensor", pg.transport.devices, out=True)
+    t, flat = checks.dense(tensor, "all_reduce", "tensor", pg.transport.devices, out=True)
     red, factor = checks.reduce_op(op, "all_reduce")
     if red != ReduceOp.SUM:
         check_complex(red, t.dtype, "all_reduce")
@@ -91,7 +91,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
             return w
     ctx = pg.context("all_reduce", t.dtype, t.numel(), -1, red)
     tr = pg.transport
-    if checks.plain(t):
+    if flat:
         return _call.launch(pg, "all_reduce", lambda: tr.all_reduce(t, red, factor, ctx), ctx, [t],
                             async_op, t.requires_grad)
     st = Staged(t)
@@ -130,10 +130,11 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,
         return None
     root = checks.peer(pg, src, group_src, "broadcast", "src")
     # Only receivers write; the source's tensor is only read (an expanded view may be sent).
-    t = checks.tensor(tensor, "broadcast", "tensor", pg.transport.devices, out=root != pg.rank())
+    t, flat = checks.dense(tensor, "broadcast", "tensor", pg.transport.devices,
+                           out=root != pg.rank())
     ctx = pg.context("broadcast", t.dtype, t.numel(), root)
     tr = pg.transport
-    if checks.plain(t):
+    if flat:
         return _call.launch(pg, "broadcast", lambda: tr.broadcast(t, root, ctx), ctx, [t], async_op,
                             t.requires_grad)
     st = Staged(t)

@@ -72,8 +72,8 @@ class ProcessGroup(TorchGroupMethods):
         self._fault = faults.parse_for(self._ranks[group_rank])
         # Per-op counters (collectives issued, elements moved); read with counts() /
         # ringlet.distributed.stats().
-        self._counts: dict[str, int] = {}
-        self._elements: dict[str, int] = {}
+        self._counts: collections.defaultdict[str, int] = collections.defaultdict(int)
+        self._elements: collections.defaultdict[str, int] = collections.defaultdict(int)
         self._history: collections.deque[OpContext] = collections.deque(maxlen=16)
         self._done = 0               # sequence number of the last collective that completed here
         # Given by the world (ringlet.c10d.world): merged hang report on timeout, DETAIL checks
@@ -159,15 +159,8 @@ class ProcessGroup(TorchGroupMethods):
         named ``<backend>:<label>`` (default label: ``ctx.op``) recording ``inputs``
         (default: ``result``), see [Note: profiler events].
         """
-        beat()   # progress, for ringlet-run --heartbeat-timeout ([Note: heartbeat])
-        if self._fault is not None:
-            self._fault.maybe_fire(ctx)
+        fn = self._issued(fn, ctx, result)
         op = ctx.op
-        self._counts[op] = self._counts.get(op, 0) + 1
-        self._elements[op] = self._elements.get(op, 0) + ctx.numel
-        self._history.append(ctx)
-        if self.detail_check is not None:
-            fn = self._with_detail_check(fn, ctx, result)
         device = _cuda.device_of(result, inputs) if self._accel else None
         if device is not None:
             if device.type in self.transport.stream_ordered:
@@ -187,6 +180,27 @@ class ProcessGroup(TorchGroupMethods):
             return work
         work.wait()
         return None
+
+    def run_now(self, fn: Callable[[], None], ctx: OpContext, result: Any, guard: bool) -> None:
+        """:meth:`run` for a synchronous op when nothing is queued on this group, no profiler
+        runs and the transport serves no accelerator (the caller checked all three): the
+        latency path, which builds no :class:`Work`."""
+        self._call(self._issued(fn, ctx, result), guard)
+        self._done = ctx.seq
+
+    def _issued(self, fn: Callable[[], None], ctx: OpContext, result: Any) -> Callable[[], None]:
+        """What every issued op records (progress, fault injection, counters, history);
+        ``fn`` with the DETAIL check in front when that debug level is on."""
+        beat()   # progress, for ringlet-run --heartbeat-timeout ([Note: heartbeat])
+        if self._fault is not None:
+            self._fault.maybe_fire(ctx)
+        op = ctx.op
+        self._counts[op] += 1
+        self._elements[op] += ctx.numel
+        self._history.append(ctx)
+        if self.detail_check is not None:
+            return self._with_detail_check(fn, ctx, result)
+        return fn
 
     def _begin_event(self, name: str, inputs: Any, work: Work) -> None:
         """[Note: profiler events] Under ``torch.profiler``/``torch.autograd.profiler`` every

@@ -45,7 +45,10 @@ __all__ = ["FAST_BYTES", "ArenaTransport"]
 FAST_BYTES = 16 * 1024
 _memmove = ctypes.memmove
 _FAST_CACHE_MAX = 256
-_Views = tuple[list[np.ndarray], list[np.ndarray], np.ndarray]
+# numpy views of every slot (buffer 0, buffer 1), of the scratch, and this rank's slot bytes
+_Views = tuple[list[np.ndarray], list[np.ndarray], np.ndarray, tuple[memoryview, memoryview]]
+# a user tensor's memory: its bytes and a numpy view of its elements (see ArenaTransport._user)
+_UserViews = tuple[memoryview, np.ndarray]
 
 
 def _foldable_in_place(fi: torch.Tensor, fo: torch.Tensor, me: int, N: int) -> bool:
@@ -81,6 +84,7 @@ class ArenaTransport(InplaceCollectives, Transport):
         base = arena.u8.data_ptr()
         self._slot_addr = [[base + lay.slot_data_off(r, b) for b in (0, 1)] for r in range(n)]
         self._fast: dict[tuple[torch.dtype, int, int], _Views] = {}
+        self._users: dict[tuple[int, torch.dtype, int], _UserViews] = {}
         self._scratch = np.empty(FAST_BYTES // 8, dtype=np.float64)
         self._scratch_addr = self._scratch.ctypes.data
         self._fast_ok = lay.slot_bytes >= FAST_BYTES
@@ -97,7 +101,23 @@ class ArenaTransport(InplaceCollectives, Transport):
             lay, mem = self.arena.layout, cast(Any, self.arena.memory)
             b0 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 0) + off) for r in self._ranks]
             b1 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 1) + off) for r in self._ranks]
-            views = self._fast[(dtype, k, off)] = (b0, b1, self._scratch.view(npdt)[:k])
+            mine = (memoryview(b0[self.rank]).cast("B"), memoryview(b1[self.rank]).cast("B"))
+            views = self._fast[(dtype, k, off)] = (b0, b1, self._scratch.view(npdt)[:k], mine)
+        return views
+
+    def _user(self, ptr: int, dtype: torch.dtype, k: int) -> _UserViews:
+        """Views of the ``k`` elements of ``dtype`` at address ``ptr``: a user tensor's memory,
+        which the caller has just read from the tensor (``data_ptr()``) and the validation gate
+        proved in bounds.  A view holds only the address, so one made for an earlier call on the
+        same address and size reads and writes exactly what ``memmove(ptr, ...)`` would; cached
+        because ctypes.memmove costs ~0.35 us a call and a memoryview copy ~0.05 us."""
+        views = self._users.get((ptr, dtype, k))
+        if views is None:
+            if len(self._users) >= _FAST_CACHE_MAX:
+                self._users.clear()
+            raw = (ctypes.c_char * (k * dtype.itemsize)).from_address(ptr)
+            views = memoryview(raw).cast("B"), np.frombuffer(raw, NP_DTYPES[dtype], k)
+            self._users[(ptr, dtype, k)] = views
         return views
 
     # -- round machinery -----------------------------------------------------------
@@ -151,7 +171,10 @@ class ArenaTransport(InplaceCollectives, Transport):
     def all_reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, ctx: OpContext,
                    ranks: Ranks = None) -> None:
         red = reduction(op, factor, buf.dtype, self.world_size)
-        off = self._heap_offset(buf, buf.numel() * buf.element_size()) if ranks is None else -1
+        nbytes = buf.numel() * buf.element_size()
+        # small messages never run in place: skip the call on the latency path
+        off = -1 if ranks is not None or nbytes <= INPLACE_MIN_BYTES else self._heap_offset(buf,
+                                                                                        nbytes)
         if off >= 0:
             self.q[self._entered_i] = ctx.seq
             if self._inplace_all_reduce(buf, red, off, ctx):
@@ -199,17 +222,17 @@ class ArenaTransport(InplaceCollectives, Transport):
 
     def _small_reduce(self, buf: torch.Tensor, red: Reduction, root: int | None, ctx: OpContext,
                       k: int, nbytes: int) -> None:
-        """One round: memmove in, flag, numpy fold in rank order into scratch, memmove out."""
+        """One round: copy in, flag, numpy fold in rank order straight into ``buf``."""
         s = self.step + 1
         b = s & 1
-        ptr = buf.data_ptr()
-        _memmove(self._slot_addr[self.rank][b], ptr, nbytes)
+        dt = buf.dtype
+        user = self._user(buf.data_ptr(), dt, k)
+        views = self._fast.get((dt, k, 0)) or self._views(dt, k, 0)
+        views[3][b][:] = user[0]
         self._sync(s, ctx.fingerprint(), 0, ctx)
         if root is not None and root != self.rank:
             return
-        views = self._fast.get((buf.dtype, k, 0)) or self._views(buf.dtype, k, 0)
-        red.np_fold(views[2], views[b])
-        _memmove(ptr, self._scratch_addr, nbytes)
+        red.np_fold(user[1], views[b])    # reads only the slots: buf may be written as it goes
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: ReduceArg,
                        factor: float | None, ctx: OpContext, ranks: Ranks = None) -> None:
