@@ -26,9 +26,9 @@ behind a live tensor -- which would crash torch's own ops on that tensor too.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
-import threading
 import weakref
 from typing import Any
 
@@ -42,21 +42,30 @@ _BYTES_HDR = 32               # offset of ob_sval in CPython 3.10-3.13's PyBytes
 _SCAN = 64 * 1024             # how far before the data a bytes header is looked for
 _CPYTHON64 = sys.implementation.name == "cpython" and sys.maxsize > 2**32
 
-_lock = threading.Lock()
-# storage -> (reason it may not be read, reason it may not be written); "" means allowed
-_verdicts: weakref.WeakKeyDictionary[Any, tuple[str, str]] = weakref.WeakKeyDictionary()
+# id(storage) -> (weak reference to it, (reason it may not be read, reason it may not be
+# written)); "" means allowed.  Looked up by id without a lock (one dict read, atomic under the
+# GIL: this runs on every collective on such memory); the reference tells a live entry from one
+# whose storage died and whose id was reused, and its callback drops the entry.
+_verdicts: dict[int, tuple[weakref.ref[Any], tuple[str, str]]] = {}
 
 
 def refusal(storage: Any, write: bool) -> str:
     """Why the memory of ``storage`` (not made by torch's allocator) may not be read, or written
     when ``write``; ``""`` when it may."""
-    with _lock:
-        verdict = _verdicts.get(storage)
-    if verdict is None:
+    key = id(storage)
+    hit = _verdicts.get(key)
+    if hit is not None and hit[0]() is storage:
+        verdict = hit[1]
+    else:
         verdict = _judge(storage.data_ptr(), storage.nbytes())
-        with _lock:
-            _verdicts[storage] = verdict
+        _verdicts[key] = (weakref.ref(storage, functools.partial(_forget, key)), verdict)
     return verdict[1] if write and not verdict[0] else verdict[0]
+
+
+def _forget(key: int, ref: weakref.ref[Any]) -> None:
+    hit = _verdicts.get(key)
+    if hit is not None and hit[0] is ref:     # not an entry made since for a new storage
+        _verdicts.pop(key, None)
 
 
 def _mappings() -> list[tuple[int, int, str, int, str]] | None:

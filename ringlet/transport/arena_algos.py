@@ -226,7 +226,8 @@ class ArenaTransport(InplaceCollectives, Transport):
         s = self.step + 1
         b = s & 1
         dt = buf.dtype
-        user = self._user(buf.data_ptr(), dt, k)
+        ptr = buf.data_ptr()
+        user = self._users.get((ptr, dt, k)) or self._user(ptr, dt, k)
         views = self._fast.get((dt, k, 0)) or self._views(dt, k, 0)
         views[3][b][:] = user[0]
         self._sync(s, ctx.fingerprint(), 0, ctx)
