@@ -1,0 +1,88 @@
+"""The latency path of small collectives (issue 14.5): what it caches must never change a result.
+
+The small all_reduce/reduce copies through views of the user's memory cached per (address,
+dtype, elements), and the validation gate caches the memory verdict of storages torch's
+allocator did not make.  These tests reuse addresses with other dtypes and sizes, views at
+offsets, freed and reallocated tensors, and check every result and the bytes around it.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import numpy as np
+import torch
+
+import ringlet.distributed as dist
+from ringlet.c10d import _memory, checks
+from ringlet.testing import run_threads
+
+
+def _reused_addresses(rank: int, n: int) -> list[str]:
+    bad: list[str] = []
+
+    def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if not torch.equal(got, want):
+            bad.append(f"{name}: got {got.tolist()}, expected {want.tolist()}")
+
+    base = torch.zeros(16, dtype=torch.float64)
+    for dtype in (torch.float64, torch.int64, torch.float32, torch.int32, torch.uint8):
+        # the same address seen with another dtype and element count each time
+        t = base.view(dtype)[:4]
+        t.fill_(rank + 1)
+        dist.all_reduce(t)
+        check(f"{dtype} view", t, torch.full((4,), float(sum(range(1, n + 1)))).to(dtype))
+    for k in (1, 3, 7, 2):
+        # views at offsets: only their own elements change
+        big = torch.arange(12, dtype=torch.float32) + rank
+        before = big.clone()
+        dist.all_reduce(big[k:k + 3], op=dist.ReduceOp.MAX)
+        want = before.clone()
+        want[k:k + 3] = torch.arange(k, k + 3, dtype=torch.float32) + n - 1
+        check(f"offset {k}", big, want)
+    for i in range(20):
+        # fresh tensors: the allocator hands out the addresses of freed ones again
+        t = torch.full((1 + i % 5,), float(rank + i), dtype=torch.float32)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        check(f"fresh {i}", t, torch.full_like(t, sum(r + i for r in range(n)) / n))
+    t = torch.full((3,), rank + 2, dtype=torch.int64)
+    dist.reduce(t, dst=0, op=dist.ReduceOp.PRODUCT)
+    want = torch.full((3,), int(np.prod([r + 2 for r in range(n)])) if rank == 0 else rank + 2)
+    check("reduce", t, want)
+    flags = torch.tensor([rank == 0, False, True])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    check("bool", flags, torch.tensor([True, False, True]))
+    return bad
+
+
+def test_small_all_reduce_on_reused_addresses_dtypes_and_offsets() -> None:
+    for n in (2, 3):
+        assert run_threads(_reused_addresses, n) == [[]] * n
+
+
+def test_memory_verdicts_die_with_their_storage() -> None:
+    arrays = [np.arange(4, dtype=np.float32) for _ in range(3)]
+    before = len(_memory._verdicts)
+    tensors = [torch.from_numpy(a) for a in arrays]
+    for t in tensors:
+        assert not t.untyped_storage().resizable()
+        assert checks.dense(t, "all_reduce", "tensor", out=True) == (t, True)
+    assert len(_memory._verdicts) == before + 3
+    storage: Any = tensors[0].untyped_storage()
+    assert _memory.refusal(storage, True) == ""
+    del tensors, storage, arrays, t
+    gc.collect()
+    assert len(_memory._verdicts) == before
+
+
+def test_dense_agrees_with_tensor_and_plain() -> None:
+    cases = [torch.ones(3), torch.ones(()), torch.ones(0), torch.ones(4, 2).t(),
+             torch.ones(3, 1).expand(3, 1), torch.ones(2, 2)[:, :1],
+             torch.ones(2, dtype=torch.complex64).conj(),
+             torch.ones(2, dtype=torch.complex64).conj().imag,     # a real tensor, negative bit
+             torch.ones(6)[::2], torch.nn.Parameter(torch.ones(2))]
+    for t in cases:
+        got, flat = checks.dense(t, "op", "tensor")
+        assert got is checks.tensor(t, "op", "tensor") or type(t) is torch.nn.Parameter
+        assert flat == checks.plain(got), (t.shape, t.stride())
