@@ -53,6 +53,13 @@ def _reused_addresses(rank: int, n: int) -> list[str]:
     flags = torch.tensor([rank == 0, False, True])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     check("bool", flags, torch.tensor([True, False, True]))
+    for i, dtype in enumerate((torch.bfloat16, torch.float16, torch.complex64, torch.int8)):
+        # broadcast moves bytes: dtypes numpy lacks too, on the address the reduces used
+        src = i % n
+        t = base.view(dtype)[1:4]
+        t.copy_(torch.arange(3).to(dtype) + 10 * rank)
+        dist.broadcast(t, src=src)
+        check(f"broadcast {dtype}", t, torch.arange(3).to(dtype) + 10 * src)
     return bad
 
 
