@@ -172,10 +172,18 @@ class ArenaTransport(InplaceCollectives, Transport):
     def all_reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, ctx: OpContext,
                    ranks: Ranks = None) -> None:
         red = reduction(op, factor, buf.dtype, self.world_size)
-        nbytes = buf.numel() * buf.element_size()
-        # small messages never run in place: skip the call on the latency path
-        off = -1 if ranks is not None or nbytes <= INPLACE_MIN_BYTES else self._heap_offset(buf,
-                                                                                        nbytes)
+        k = buf.numel()
+        nbytes = k * buf.element_size()
+        if nbytes <= FAST_BYTES and ranks is None and red.ufunc is not None and self._fast_ok \
+                and self.world_size > 1:
+            # the latency path: what _reduce would do, without its call and size reads; every
+            # rank decides alike (same size), and sizes this small never run in place anyway
+            q = self.q
+            q[self._entered_i] = ctx.seq
+            self._small_reduce(buf, red, None, ctx, k, nbytes)
+            q[self._done_i] = ctx.seq
+            return
+        off = -1 if ranks is not None else self._heap_offset(buf, nbytes)
         if off >= 0:
             self.q[self._entered_i] = ctx.seq
             if self._inplace_all_reduce(buf, red, off, ctx):
