@@ -205,14 +205,16 @@ class ProcessGroup(TorchGroupMethods):
     def _begin_event(self, name: str, inputs: Any, work: Work) -> None:
         """[Note: profiler events] Under ``torch.profiler``/``torch.autograd.profiler`` every
         operation is one event named ``"<backend>:<op>"`` (``"gloo:all_reduce"``, as torch
-        names them) recording its input shapes (complex tensors as their real view) and, as
-        its last input, the group: its global ranks (a list of ints, which traces keep as a
-        concrete input where strings would be dropped).  The op then runs on a communication
-        thread and its event ends when the op completes there, so it is an asynchronous span,
-        as torch's are."""
+        names them) recording its input shapes (complex tensors as their real view), the
+        tensors only, as torch's do (scripts compare ``input_shapes``).  The op then runs on a
+        communication thread and its event ends when the op completes there, so it is an
+        asynchronous span, as torch's are.  Inside it, at its start, an instant event
+        ``"ringlet:group [r0, r1, ...]"`` names the group by its global ranks."""
         tensors = [torch.view_as_real(t) if t.is_complex() else t for t in _tensors(inputs)]
-        handle = torch._C._autograd._record_function_with_args_enter(name, *tensors,
-                                                                       list(self._ranks))
+        handle = torch._C._autograd._record_function_with_args_enter(name, *tensors)
+        mark = torch._C._autograd._record_function_with_args_enter(
+            f"ringlet:group {list(self._ranks)}")
+        torch.ops.profiler._record_function_exit._RecordFunction(mark)
         torch.ops.profiler._call_end_callbacks_on_jit_fut(handle, work.get_future())
 
     def _call_queued(self, fn: Callable[[], None], ctx: OpContext) -> None:
