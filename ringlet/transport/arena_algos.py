@@ -38,10 +38,11 @@ from ringlet.transport.reduce import NP_DTYPES, Reduction, reads_first, reductio
 
 __all__ = ["FAST_BYTES", "ArenaTransport"]
 
-# Messages up to FAST_BYTES take the small-message path: ctypes.memmove in and out of the
-# arena and the numpy kernel for the reduction.  torch ops cost 3-6 us each in fixed overhead
-# here (measured on this 2-core machine), numpy ~1 us: that is the difference between
-# ~90 us and ~15 us for an 8-byte all_reduce.
+# Messages up to FAST_BYTES take the small-message path: byte copies in and out of the arena
+# (memoryviews of the user's memory for all_reduce/reduce/broadcast, ctypes.memmove elsewhere)
+# and the numpy kernel for the reduction.  torch ops cost 3-6 us each in fixed overhead here
+# (measured on this 2-core machine), numpy ~1 us: that is the difference between ~90 us and
+# ~15 us for an 8-byte all_reduce (~7 us today, docs/benchmarks.md).
 FAST_BYTES = 16 * 1024
 _memmove = ctypes.memmove
 _BYTE = torch.uint8
