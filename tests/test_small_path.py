@@ -60,6 +60,26 @@ def _reused_addresses(rank: int, n: int) -> list[str]:
         t.copy_(torch.arange(3).to(dtype) + 10 * rank)
         dist.broadcast(t, src=src)
         check(f"broadcast {dtype}", t, torch.arange(3).to(dtype) + 10 * src)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        # gathers and reduce-scatters, apart and in place (the input a block of the output)
+        want = torch.cat([torch.arange(3).to(dtype) + 10 * r for r in range(n)])
+        out = base.view(torch.uint8)[:3 * n * dtype.itemsize].view(dtype)
+        dist.all_gather_into_tensor(out, torch.arange(3).to(dtype) + 10 * rank)
+        check(f"all_gather {dtype}", out, want)
+        out.zero_()
+        out[3 * rank:3 * rank + 3] = torch.arange(3).to(dtype) + 10 * rank
+        dist.all_gather_into_tensor(out, out[3 * rank:3 * rank + 3])
+        check(f"all_gather in place {dtype}", out, want)
+        if dtype is torch.bfloat16:
+            continue
+        inp = torch.arange(2 * n).to(dtype) * (rank + 1)
+        sums = torch.arange(2 * n).to(dtype) * sum(range(1, n + 1))
+        res = torch.full((2,), -1).to(dtype)
+        dist.reduce_scatter_tensor(res, inp)
+        check(f"reduce_scatter {dtype}", res, sums[2 * rank:2 * rank + 2])
+        dist.reduce_scatter_tensor(inp[2 * rank:2 * rank + 2], inp)
+        check(f"reduce_scatter in place {dtype}", inp[2 * rank:2 * rank + 2],
+              sums[2 * rank:2 * rank + 2])
     return bad
 
 

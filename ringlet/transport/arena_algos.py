@@ -39,16 +39,15 @@ from ringlet.transport.reduce import NP_DTYPES, Reduction, reads_first, reductio
 __all__ = ["FAST_BYTES", "ArenaTransport"]
 
 # Messages up to FAST_BYTES take the small-message path: byte copies in and out of the arena
-# (memoryviews of the user's memory for all_reduce/reduce/broadcast, ctypes.memmove elsewhere)
+# (numpy/memoryview copies through views of the user's memory, ArenaTransport._user)
 # and the numpy kernel for the reduction.  torch ops cost 3-6 us each in fixed overhead here
 # (measured on this 2-core machine), numpy ~1 us: that is the difference between ~90 us and
 # ~15 us for an 8-byte all_reduce (~7 us today, docs/benchmarks.md).
 FAST_BYTES = 16 * 1024
-_memmove = ctypes.memmove
 _BYTE = torch.uint8
 _FAST_CACHE_MAX = 256
-# numpy views of every slot (buffer 0, buffer 1), of the scratch, and this rank's slot bytes
-_Views = tuple[list[np.ndarray], list[np.ndarray], np.ndarray, tuple[memoryview, memoryview]]
+# numpy views of every slot (buffer 0, buffer 1), and this rank's slot bytes (buffer 0, 1)
+_Views = tuple[list[np.ndarray], list[np.ndarray], tuple[memoryview, memoryview]]
 # a user tensor's memory: its bytes and a numpy view of its elements (see ArenaTransport._user)
 _UserViews = tuple[memoryview, np.ndarray]
 
@@ -83,18 +82,15 @@ class ArenaTransport(InplaceCollectives, Transport):
         self._peer_hdr = [[self._hdr_i[r][b] for r in arena.peers] for b in (0, 1)]
         self._entered_i = arena.ctrl(self.rank, C_ENTERED)
         self._done_i = arena.ctrl(self.rank, C_DONE)
-        base = arena.u8.data_ptr()
-        self._slot_addr = [[base + lay.slot_data_off(r, b) for b in (0, 1)] for r in range(n)]
         self._fast: dict[tuple[torch.dtype, int, int], _Views] = {}
         self._users: dict[tuple[int, torch.dtype, int], _UserViews] = {}
-        self._scratch = np.empty(FAST_BYTES // 8, dtype=np.float64)
-        self._scratch_addr = self._scratch.ctypes.data
         self._fast_ok = lay.slot_bytes >= FAST_BYTES
         self.mail = Mailboxes(arena)
 
     def _views(self, dtype: torch.dtype, k: int, off: int) -> _Views:
-        """numpy views of ``k`` elements at byte ``off`` of every slot (buffer 0, buffer 1) and of
-        the scratch.  Cached: training loops repeat the same sizes, and slicing costs ~0.3 us."""
+        """numpy views of ``k`` elements at byte ``off`` of every slot (buffer 0, buffer 1) and
+        this rank's slot bytes there.  Cached: training loops repeat the same sizes, and slicing
+        costs ~0.3 us."""
         views = self._fast.get((dtype, k, off))
         if views is None:
             if len(self._fast) >= _FAST_CACHE_MAX:
@@ -104,7 +100,7 @@ class ArenaTransport(InplaceCollectives, Transport):
             b0 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 0) + off) for r in self._ranks]
             b1 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 1) + off) for r in self._ranks]
             mine = (memoryview(b0[self.rank]).cast("B"), memoryview(b1[self.rank]).cast("B"))
-            views = self._fast[(dtype, k, off)] = (b0, b1, self._scratch.view(npdt)[:k], mine)
+            views = self._fast[(dtype, k, off)] = (b0, b1, mine)
         return views
 
     def _user(self, ptr: int, dtype: torch.dtype, k: int) -> _UserViews:
@@ -239,7 +235,7 @@ class ArenaTransport(InplaceCollectives, Transport):
         ptr = buf.data_ptr()
         user = self._users.get((ptr, dt, k)) or self._user(ptr, dt, k)
         views = self._fast.get((dt, k, 0)) or self._views(dt, k, 0)
-        views[3][b][:] = user[0]
+        views[2][b][:] = user[0]
         self._sync(s, ctx.fingerprint(), 0, ctx)
         if root is not None and root != self.rank:
             return
@@ -302,11 +298,17 @@ class ArenaTransport(InplaceCollectives, Transport):
         me = self.rank
         s = self.step + 1
         b = s & 1
-        _memmove(self._slot_addr[me][b], fi.data_ptr(), nbytes * self.world_size)
+        total = nbytes * self.world_size
+        src = fi.data_ptr()
+        inv = self._users.get((src, _BYTE, total)) or self._user(src, _BYTE, total)
+        mine = self._fast.get((_BYTE, total, 0)) or self._views(_BYTE, total, 0)
+        mine[2][b][:] = inv[0]
         self._sync(s, ctx.fingerprint(), 0, ctx)
-        views = self._views(fo.dtype, fo.numel(), me * nbytes)
-        red.np_fold(views[2], views[b])
-        _memmove(fo.data_ptr(), self._scratch_addr, nbytes)
+        dt, k = fo.dtype, fo.numel()
+        views = self._fast.get((dt, k, me * nbytes)) or self._views(dt, k, me * nbytes)
+        dst = fo.data_ptr()
+        # straight into fo: the fold reads only the slots, so fo may be a block of fi
+        red.np_fold((self._users.get((dst, dt, k)) or self._user(dst, dt, k))[1], views[b])
 
     # -- data movement ---------------------------------------------------------------
     def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext, ranks: Ranks = None) -> None:
@@ -322,7 +324,7 @@ class ArenaTransport(InplaceCollectives, Transport):
             user = self._users.get((ptr, _BYTE, nbytes)) or self._user(ptr, _BYTE, nbytes)
             views = self._fast.get((_BYTE, nbytes, 0)) or self._views(_BYTE, nbytes, 0)
             if me == root:
-                views[3][b][:] = user[0]
+                views[2][b][:] = user[0]
             self._sync(s, fp, 0, ctx)
             if me != root:
                 user[1][:] = views[b][root]
@@ -406,12 +408,18 @@ class ArenaTransport(InplaceCollectives, Transport):
         s = self.step + 1
         b = s & 1
         src = fi.data_ptr()
-        _memmove(self._slot_addr[self.rank][b], src, nbytes)
+        inv = self._users.get((src, _BYTE, nbytes)) or self._user(src, _BYTE, nbytes)
+        views = self._fast.get((_BYTE, nbytes, 0)) or self._views(_BYTE, nbytes, 0)
+        views[2][b][:] = inv[0]
         self._sync(s, ctx.fingerprint(), 0, ctx)
         if fo is not None:
-            dst = fo.data_ptr()
-            for r in self._ranks:
-                _memmove(dst + r * nbytes, src if r == self.rank else self._slot_addr[r][b], nbytes)
+            dst, total = fo.data_ptr(), nbytes * self.world_size
+            out = (self._users.get((dst, _BYTE, total)) or self._user(dst, _BYTE, total))[1]
+            for r, slot in enumerate(views[b]):
+                if r != self.rank:
+                    out[r * nbytes:(r + 1) * nbytes] = slot
+                elif dst + r * nbytes != src:    # the input may be its own block of the output
+                    out[r * nbytes:(r + 1) * nbytes] = inv[1]   # numpy copes with any overlap
 
     def scatter(self, inp: torch.Tensor | None, out: torch.Tensor, root: int, ctx: OpContext,
                 ranks: Ranks = None) -> None:
