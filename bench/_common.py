@@ -139,7 +139,8 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
 # ---------------------------------------------------------------- provenance
 
 
-def emit(render: Callable[[bool], str], preamble: Callable[[bool], str], markdown_path: str | None) -> None:
+def emit(render: Callable[[bool], str], preamble: Callable[[bool], str],
+         markdown_path: str | None) -> None:
     """Print the result tables; with ``markdown_path`` also write them as Markdown, headed by the
     provenance ``preamble``.  ``render(markdown)`` / ``preamble(markdown)`` produce the text."""
     print()
@@ -184,7 +185,8 @@ def _cpu_model() -> str:
 
 # ---------------------------------------------------------------- background load
 
-_BUSY = "import os, signal\nsignal.signal(signal.SIGTERM, lambda *a: os._exit(0))\nwhile True:\n    pass\n"
+_BUSY = ("import os, signal\nsignal.signal(signal.SIGTERM, lambda *a: os._exit(0))\n"
+         "while True:\n    pass\n")
 
 
 @contextlib.contextmanager

@@ -39,21 +39,23 @@ def run_hosts(cfg: Any) -> list[dict[str, Any]]:
     if problem:
         raise RuntimeError(f"--hosts needs network namespaces: {problem}")
     world = cfg.hosts * cfg.ranks
-    with tempfile.TemporaryDirectory(prefix="ringlet-bench-hosts-") as out, netns.SimNet(cfg.hosts) as net:
+    with (tempfile.TemporaryDirectory(prefix="ringlet-bench-hosts-") as out,
+          netns.SimNet(cfg.hosts) as net):
         (Path(out) / "cfg.json").write_text(json.dumps(dataclasses.asdict(cfg)))
         if cfg.link_rate:
             for i in range(cfg.hosts):
                 net.shape(i, cfg.link_rate)
         for rank in range(world):
             host = rank // cfg.ranks
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)]), OMP_NUM_THREADS="1",
-                       GLOO_SOCKET_IFNAME=net.veth(host))
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)]),
+                       OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=net.veth(host))
             net.start(host, [sys.executable, str(HERE / "_hosts.py"), str(rank), str(world), out,
                              net.addrs[0]], env=env, log=os.path.join(out, f"log{rank}"))
         codes = net.wait_all(cfg.timeout)
         result = Path(out) / "result.json"
         if codes != [0] * world or not result.exists():
-            logs = "\n".join(f"--- rank {r}\n{(Path(out) / f'log{r}').read_text()[-2000:]}" for r in range(world))
+            logs = "\n".join(f"--- rank {r}\n{(Path(out) / f'log{r}').read_text()[-2000:]}"
+                             for r in range(world))
             raise RuntimeError(f"ranks ended with {codes}:\n{logs}")
         return list(json.loads(result.read_text()))
 
@@ -101,7 +103,8 @@ def worker(rank: int, world: int, out: str, master: str) -> None:
     store = _store(rank, out, master)
     rdist.init_process_group("auto", store=store, rank=rank, world_size=world, timeout=td)
     flat = rdist.new_group(backend="tcp")
-    tdist.init_process_group("gloo", init_method=f"file://{out}/gloo", rank=rank, world_size=world, timeout=td)
+    tdist.init_process_group("gloo", init_method=f"file://{out}/gloo", rank=rank,
+                             world_size=world, timeout=td)
     libs = {"auto": rdist, "tcp": _Grouped(rdist, flat), "gloo": tdist}
     try:
         results = [collectives.bench_size(cfg, op, size, rank, world, libs)

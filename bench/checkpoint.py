@@ -16,9 +16,10 @@ group; ``torch`` builds the same state with torch's DTensor and uses
 temp dir with their defaults (fsync on; ``--no-sync`` turns it off for both).
 
 Each mode runs in ``--repeats`` worlds, the order of the modes alternating between repeats (the
-disk's write-back state is noise both should share).  Per round: barrier, ``save`` (timed), barrier, ``load`` into zero-filled DTensors of the same
-layout (timed), check that every element came back.  A time is the slowest rank's; the result
-is the median over all rounds of all worlds.  Throughput per rank = the bytes a rank holds / time.
+disk's write-back state is noise both should share).  Per round: barrier, ``save`` (timed), barrier,
+``load`` into zero-filled DTensors of the same layout (timed), check that every element came back.
+A time is the slowest rank's; the result is the median over all rounds of all worlds.  Throughput
+per rank = the bytes a rank holds / time.
 
 Peak extra memory: in a separate, untimed round, a thread samples the process's anonymous
 resident memory (``RssAnon`` in /proc/self/status) every millisecond during ``save`` and
@@ -80,7 +81,8 @@ def _shapes(mib: int) -> list[tuple[int, int]]:
     return [(1024, 2048)] * n8 + ([(rest * 128, 2048)] if rest else [])
 
 
-def _world(rank: int, n: int, mode: str, mib: int, rounds: int, sync: bool, root: str) -> dict[str, Any]:
+def _world(rank: int, n: int, mode: str, mib: int, rounds: int, sync: bool,
+           root: str) -> dict[str, Any]:
     if mode == "torch":
         import torch.distributed as tdist
         import torch.distributed.checkpoint as dcp
@@ -101,7 +103,8 @@ def _world(rank: int, n: int, mode: str, mib: int, rounds: int, sync: bool, root
     fulls = [torch.randn(s, generator=g) for s in _shapes(mib)]
 
     def state(zero: bool) -> dict[str, Any]:
-        return {"model": {f"layer{i}.weight": distribute_tensor(torch.zeros_like(f) if zero else f, mesh, [Shard(0)])
+        return {"model": {f"layer{i}.weight": distribute_tensor(torch.zeros_like(f) if zero else f,
+                                                                mesh, [Shard(0)])
                           for i, f in enumerate(fulls)}, "step": torch.tensor(7 if not zero else 0)}
 
     src = state(False)
@@ -121,8 +124,8 @@ def _world(rank: int, n: int, mode: str, mib: int, rounds: int, sync: bool, root
             t0 = time.perf_counter()
             dcp.load(dst, storage_reader=FileSystemReader(path))
             t_load = time.perf_counter() - t0
-        ok = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(src["model"].values(),
-                                                                        dst["model"].values(), strict=True))
+        ok = all(torch.equal(a.to_local(), b.to_local())
+                 for a, b in zip(src["model"].values(), dst["model"].values(), strict=True))
         if not ok or int(dst["step"]) != 7:
             raise AssertionError(f"{mode}: the loaded state differs from the saved one")
         if r == rounds:          # the last round samples memory (not timed)
@@ -141,18 +144,23 @@ def _world(rank: int, n: int, mode: str, mib: int, rounds: int, sync: bool, root
 def _run_world(mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     root = tempfile.mkdtemp(prefix=f"ringlet-bench-ckpt-{mode}-")
     try:
-        return common.run_ranks(args.ranks, _world, mode, args.mib, args.rounds, not args.no_sync, root,
+        return common.run_ranks(args.ranks, _world, mode, args.mib, args.rounds,
+                                not args.no_sync, root,
                                 backend="shm", timeout=600.0, op_timeout=300.0)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
 def _summary(worlds: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Median over every round of every world of the slowest rank's time; max of the memory peaks."""
-    save = common.median([max(p["save"][i] for p in w) for w in worlds for i in range(len(w[0]["save"]))])
-    load = common.median([max(p["load"][i] for p in w) for w in worlds for i in range(len(w[0]["load"]))])
+    """Median over every round of every world of the slowest rank's time; max of the memory
+    peaks."""
+    save = common.median([max(p["save"][i] for p in w) for w in worlds
+                          for i in range(len(w[0]["save"]))])
+    load = common.median([max(p["load"][i] for p in w) for w in worlds
+                          for i in range(len(w[0]["load"]))])
     held = worlds[0][0]["held"]
-    return {"save_s": save, "load_s": load, "save_mbs": held / save / 1e6, "load_mbs": held / load / 1e6,
+    return {"save_s": save, "load_s": load, "save_mbs": held / save / 1e6,
+            "load_mbs": held / load / 1e6,
             "save_extra": max(p["save_extra"] for w in worlds for p in w),
             "load_extra": max(p["load_extra"] for w in worlds for p in w),
             "largest_shard": worlds[0][0]["largest_shard"], "held": held}
@@ -168,7 +176,8 @@ def main() -> int:
     p.add_argument("--markdown", metavar="FILE")
     args = p.parse_args()
     worlds: dict[str, list[Any]] = {m: [] for m in MODES}
-    for rep in range(args.repeats):           # alternate the order: the disk's state is shared noise
+    # alternate the order: the disk's state is shared noise
+    for rep in range(args.repeats):
         for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
             worlds[mode].append(_run_world(mode, args))
     res = {m: _summary(w) for m, w in worlds.items()}
@@ -183,16 +192,18 @@ def main() -> int:
                  f"{r['load_mbs'] / t['load_mbs']:.2f}x"],
                 ["save, s", f"{r['save_s']:.3f}", f"{t['save_s']:.3f}", ""],
                 ["load, s", f"{r['load_s']:.3f}", f"{t['load_s']:.3f}", ""],
-                ["extra memory during save, MiB", f"{r['save_extra'] / mib:.1f}", f"{t['save_extra'] / mib:.1f}", ""],
-                ["extra memory during load, MiB", f"{r['load_extra'] / mib:.1f}", f"{t['load_extra'] / mib:.1f}", ""],
+                ["extra memory during save, MiB", f"{r['save_extra'] / mib:.1f}",
+                 f"{t['save_extra'] / mib:.1f}", ""],
+                ["extra memory during load, MiB", f"{r['load_extra'] / mib:.1f}",
+                 f"{t['load_extra'] / mib:.1f}", ""],
                 ["largest tensor's shard, MiB", f"{r['largest_shard'] / mib:.1f}", "", ""]]
         return (common.markdown_table if md else common.text_table)(headers, rows)
 
     def preamble(md: bool) -> str:
         info = common.machine_info()
-        return (f"`{common.command_line()}` -- {args.ranks} ranks, {r['held'] / mib:.0f} MiB held per rank, "
-                f"fsync {'off' if args.no_sync else 'on'}; {info['date']}, {info['cpu']} ({info['nproc']} CPUs), "
-                f"torch {info['torch']}\n")
+        return (f"`{common.command_line()}` -- {args.ranks} ranks, {r['held'] / mib:.0f} MiB held "
+                f"per rank, fsync {'off' if args.no_sync else 'on'}; {info['date']}, {info['cpu']} "
+                f"({info['nproc']} CPUs), torch {info['torch']}\n")
 
     print(preamble(False))
     common.emit(render, preamble, args.markdown)

@@ -104,7 +104,8 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.ranks < (1 if self.hosts > 1 else 2):
-            raise ValueError(f"expected --ranks >= 2 (>= 1 per host with --hosts), got {self.ranks}")
+            raise ValueError("expected --ranks >= 2 (>= 1 per host with --hosts), got "
+                             f"{self.ranks}")
         bad = [op for op in self.ops if op not in OPS]
         if bad or not self.ops:
             raise ValueError(f"expected --ops from {','.join(OPS)}, got {','.join(self.ops)!r}")
@@ -113,7 +114,8 @@ class Config:
         if self.repeats < 1:
             raise ValueError(f"expected --repeats >= 1, got {self.repeats}")
         if not self.buffers or any(b not in BUFFERS for b in self.buffers):
-            raise ValueError(f"expected --buffers from {','.join(BUFFERS)}, got {','.join(self.buffers)!r}")
+            raise ValueError(f"expected --buffers from {','.join(BUFFERS)}, got "
+                             f"{','.join(self.buffers)!r}")
         if self.op_timeout <= 0 or self.timeout <= 0:
             raise ValueError(f"expected positive timeouts, got {self.op_timeout}, {self.timeout}")
 
@@ -143,12 +145,15 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="shm", help="ringlet backend: shm (default), tcp, auto")
     p.add_argument("--buffers", default=",".join(BUFFERS),
-                   help="ringlet's tensors: plain (ordinary), arena (comm_buffer), or both (default)")
+                   help="ringlet's tensors: plain (ordinary), arena (comm_buffer), or both "
+                        "(default)")
     p.add_argument("--no-floor", action="store_true", help="skip the memory floor measurement")
     p.add_argument("--hosts", type=int, default=1,
-                   help="simulated hosts (network namespaces; root): --ranks per host, auto vs tcp vs gloo")
+                   help="simulated hosts (network namespaces; root): --ranks per host, auto vs tcp "
+                        "vs gloo")
     p.add_argument("--link-rate", default=None, metavar="RATE",
-                   help="with --hosts: limit every host's link (tc tbf), e.g. 1gbit (default: unlimited)")
+                   help="with --hosts: limit every host's link (tc tbf), e.g. 1gbit (default: "
+                        "unlimited)")
     p.add_argument("--quick", action="store_true", help="only 8 B, 4 KiB, 64 KiB, 1 MiB, 16 MiB")
     p.add_argument("--load", type=int, default=0, metavar="N",
                    help="run N unrelated busy processes beside the ranks (a loaded machine)")
@@ -167,7 +172,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         return Config(ranks=a.ranks, ops=ops, sizes=tuple(sizes), repeats=a.repeats,
                       backend="auto" if a.hosts > 1 else a.backend, op_timeout=a.op_timeout,
                       timeout=timeout, markdown=a.markdown, hosts=a.hosts, link_rate=a.link_rate,
-                      load=a.load, buffers=tuple(b.strip() for b in a.buffers.split(",") if b.strip()),
+                      load=a.load,
+                      buffers=tuple(b.strip() for b in a.buffers.split(",") if b.strip()),
                       floor=not a.no_floor)
     except ValueError as e:
         p.error(str(e))
@@ -192,8 +198,8 @@ def _rank_main(rank: int, n: int, cfg: Config, gloo_init: str) -> list[dict[str,
         tdist.destroy_process_group()
 
 
-def _buffers(op: str, size: int, n: int,
-             alloc: Callable[[int], torch.Tensor] = torch.zeros) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _buffers(op: str, size: int, n: int, alloc: Callable[[int], torch.Tensor] = torch.zeros
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the size-bytes tensor, the size/n one if the op has one); zeros stay zeros under SUM."""
     count = max(1, size // 4)
     if op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
@@ -208,7 +214,8 @@ def _arena_zeros(count: int) -> torch.Tensor:
     return rdist.comm_buffer(count).zero_()
 
 
-def _make_call(lib: Any, op: str, big: torch.Tensor, small: torch.Tensor | None) -> Callable[[], Any]:
+def _make_call(lib: Any, op: str, big: torch.Tensor,
+               small: torch.Tensor | None) -> Callable[[], Any]:
     """One collective on ``lib`` (ringlet.distributed or torch.distributed: the same API)."""
     if op == "all_reduce":
         return lambda: lib.all_reduce(big)
@@ -295,7 +302,8 @@ def _progress(r: dict[str, Any]) -> None:
     times = "  ".join(f"{name} {sec * 1e6:10.1f} us" for name, sec in r["seconds"].items())
     if "floor" in r:
         times += f"  floor {r['floor'] * 1e6:10.1f} us"
-    print(f"  {r['op']:<23} {common.format_size(r['bytes']):>9}  {times}", file=sys.stderr, flush=True)
+    print(f"  {r['op']:<23} {common.format_size(r['bytes']):>9}  {times}",
+          file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- report
@@ -331,7 +339,8 @@ def _row(r: dict[str, Any], cfg: Config, floor: bool) -> list[str]:
 
 def _latency_rows(rows: list[dict[str, Any]], cfg: Config) -> tuple[list[str], list[list[str]]]:
     """Sizes below SUMMARY_MIN_BYTES: each library's batch (barrier-started) and call times."""
-    head = ["size"] + [f"{_label(cfg, x)} {kind} us" for x in cfg.libs for kind in ("batch", "call")]
+    head = ["size"] + [f"{_label(cfg, x)} {kind} us" for x in cfg.libs
+                       for kind in ("batch", "call")]
     body = [[common.format_size(r["bytes"])]
             + [f"{r[key][x] * 1e6:.1f}" for x in cfg.libs for key in ("seconds", "call")]
             for r in rows if r["bytes"] < SUMMARY_MIN_BYTES]
@@ -387,13 +396,15 @@ def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
               f"{cfg.repeats} repeats, ~{TARGET_S} s per repeat; latency = median over repeats "
               f"of the slowest rank's mean time per call")]
     if cfg.load:
-        lines.append(f"load: {cfg.load} unrelated busy process(es) spinning beside the ranks (--load)")
+        lines.append(f"load: {cfg.load} unrelated busy process(es) spinning beside the ranks "
+                     "(--load)")
     if cfg.hosts > 1:
         link = f"links limited to {cfg.link_rate} (tc tbf)" if cfg.link_rate else "links unlimited"
-        lines[-1] = (f"setup: {cfg.hosts} simulated hosts (network namespaces, veth + bridge; {link}) x {cfg.ranks} "
-                     f"ranks; ringlet auto (shm within a host + tcp between) vs a flat ringlet tcp group vs "
-                     f"gloo, float32, {cfg.repeats} repeats, ~{TARGET_S} s per repeat; latency = median "
-                     "over repeats of the slowest rank's mean time per call")
+        lines[-1] = (f"setup: {cfg.hosts} simulated hosts (network namespaces, veth + bridge; "
+                     f"{link}) x {cfg.ranks} ranks; ringlet auto (shm within a host + tcp between) "
+                     f"vs a flat ringlet tcp group vs gloo, float32, {cfg.repeats} repeats, "
+                     f"~{TARGET_S} s per repeat; latency = median over repeats of the slowest "
+                     "rank's mean time per call")
     if not markdown:
         return "\n".join(lines) + "\n"
     lines[0] = f"command: `{common.command_line()}`"
@@ -422,8 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"benchmark failed: {e}", file=sys.stderr)
             return 1
-    common.emit(lambda md: render(cfg, values[0], markdown=md), lambda md: preamble(cfg, info, markdown=md),
-                cfg.markdown)
+    common.emit(lambda md: render(cfg, values[0], markdown=md),
+                lambda md: preamble(cfg, info, markdown=md), cfg.markdown)
     return 0
 
 

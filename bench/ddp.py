@@ -92,7 +92,8 @@ class Config:
             raise ValueError(f"expected --ranks >= 2, got {self.ranks}")
         bad = [m for m in self.models if m not in MODELS]
         if bad or not self.models:
-            raise ValueError(f"expected --models from {','.join(MODELS)}, got {','.join(self.models)!r}")
+            raise ValueError(f"expected --models from {','.join(MODELS)}, got "
+                             f"{','.join(self.models)!r}")
         if self.steps < 1 or self.warmup < 0 or self.rounds < 1:
             raise ValueError(f"expected --steps >= 1, --warmup >= 0, --rounds >= 1, got "
                              f"{self.steps}, {self.warmup}, {self.rounds}")
@@ -183,7 +184,8 @@ class _Runner:
         self.batches = batches
         self.model = _wrap(mode, self.plain)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.stats: list[tuple[float, float]] = []   # per synced step: share done in backward, finalize s
+        # per synced step: share done in backward, finalize s
+        self.stats: list[tuple[float, float]] = []
 
     def step(self, synced: bool) -> float:
         import ringlet.distributed as rdist
@@ -197,7 +199,8 @@ class _Runner:
         dt = time.perf_counter() - t0
         stats = getattr(getattr(self.model, "reducer", None), "last_stats", None)
         if synced and stats is not None:
-            self.stats.append((stats.bytes_done_in_backward / max(1, stats.bytes), stats.finalize_s))
+            self.stats.append((stats.bytes_done_in_backward / max(1, stats.bytes),
+                               stats.finalize_s))
         return dt
 
 
@@ -247,7 +250,8 @@ def _bucket_like(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _comm_alone(bufs: list[torch.Tensor]) -> float:
-    """Seconds to all-reduce the bucket buffers back to back with nothing else running (median of 5)."""
+    """Seconds to all-reduce the bucket buffers back to back with nothing else running (median of
+    5)."""
     import ringlet.distributed as rdist
 
     op = rdist._make_nccl_premul_sum(1.0 / rdist.get_world_size())   # DDP's own reduction
@@ -298,8 +302,9 @@ def _run_group(cfg: Config, name: str, group: list[str], rank: int, rnd: int,
         m["ddp"] += res.pop("ddp")
         m.update(res)
         if rank == 0:
-            print(f"  {name:<4} {mode:<16} round {rnd}: no-sync {common.median(m['plain']) * 1e3:8.1f} ms"
-                  f"  synced {common.median(m['ddp']) * 1e3:8.1f} ms", file=sys.stderr, flush=True)
+            print(f"  {name:<4} {mode:<16} round {rnd}: no-sync "
+                  f"{common.median(m['plain']) * 1e3:8.1f} ms  synced "
+                  f"{common.median(m['ddp']) * 1e3:8.1f} ms", file=sys.stderr, flush=True)
 
 
 def _summarize(name: str, merged: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -310,11 +315,13 @@ def _summarize(name: str, merged: dict[str, dict[str, Any]]) -> dict[str, Any]:
         m["exposed"] = common.median([d - p for d, p in zip(m["ddp"], m["plain"])])
     torch_steps = merged["torch"]["ddp"]
     for mode in MAIN_MODES:      # same iteration, seconds apart: paired against torch's step
-        merged[mode]["vs_torch"] = common.median([d / t for d, t in zip(merged[mode]["ddp"], torch_steps)])
+        merged[mode]["vs_torch"] = common.median(
+            [d / t for d, t in zip(merged[mode]["ddp"], torch_steps)])
     plain = [t for mode in MAIN_MODES for t in merged[mode]["plain"]]
     nosync_vs_torch = common.median([p / t for mode in MAIN_MODES
                                      for p, t in zip(merged[mode]["plain"], torch_steps)])
-    return {"model": name, "modes": merged, "nosync": common.median(plain), "nosync_vs_torch": nosync_vs_torch}
+    return {"model": name, "modes": merged, "nosync": common.median(plain),
+            "nosync_vs_torch": nosync_vs_torch}
 
 
 # ---------------------------------------------------------------- report
@@ -335,8 +342,10 @@ def _sweep_rows(cfg: Config, r: dict[str, Any]) -> list[list[str]]:
     rows = []
     for mode in ["ringlet"] + [f"packed cap={c:g}" for c in cfg.caps]:
         m = r["modes"][mode]
-        label = f"{MAIN_CAP} (solo, default)" if mode == "ringlet" else f"{mode.split('=')[1]} (packed)"
-        rows.append([label, str(m.get("buckets", "?")), f"{m['ddp_s'] * 1e3:.1f}", f"{m['plain_s'] * 1e3:.1f}",
+        label = (f"{MAIN_CAP} (solo, default)" if mode == "ringlet"
+                 else f"{mode.split('=')[1]} (packed)")
+        rows.append([label, str(m.get("buckets", "?")), f"{m['ddp_s'] * 1e3:.1f}",
+                     f"{m['plain_s'] * 1e3:.1f}",
                      f"{m['vs_nosync']:.3f}x", f"{m['done_share'] * 100:.0f}%",
                      f"{m['finalize'] * 1e3:.1f}", f"{m['exposed'] * 1e3:.1f}"])
     return rows
@@ -346,10 +355,10 @@ def _overlap(r: dict[str, Any]) -> str:
     m = r["modes"]["ringlet"]
     comm, exposed = m["comm"], m["exposed"]
     return (f"the buckets' all-reduces alone take {comm * 1e3:.1f} ms; in a ringlet step "
-            f"{m['done_share'] * 100:.0f}% of the gradient bytes were already reduced when backward "
-            f"ended, and the end of backward (rest of the all-reduces, waits, writing .grad) took "
-            f"{m['finalize'] * 1e3:.1f} ms; exposed communication (synchronised step - the no-sync "
-            f"step run next to it, median) = {exposed * 1e3:.1f} ms per step")
+            f"{m['done_share'] * 100:.0f}% of the gradient bytes were already reduced when "
+            "backward ended, and the end of backward (rest of the all-reduces, waits, writing "
+            f".grad) took {m['finalize'] * 1e3:.1f} ms; exposed communication (synchronised step - "
+            f"the no-sync step run next to it, median) = {exposed * 1e3:.1f} ms per step")
 
 
 def render(cfg: Config, results: list[dict[str, Any]], markdown: bool) -> str:
@@ -358,8 +367,8 @@ def render(cfg: Config, results: list[dict[str, Any]], markdown: bool) -> str:
     for r in results:
         title = f"### {r['model']}" if markdown else f"== {r['model']} ({cfg.ranks} ranks) =="
         parts += [title, "",
-                  table(["mode", "step ms", "samples/s", "vs no-sync", "vs torch"], _rows(cfg, r)), "",
-                  table(["bucket_cap_mb", "buckets", "step ms", "no-sync ms", "vs no-sync",
+                  table(["mode", "step ms", "samples/s", "vs no-sync", "vs torch"], _rows(cfg, r)),
+                  "", table(["bucket_cap_mb", "buckets", "step ms", "no-sync ms", "vs no-sync",
                          "done in bwd", "end of bwd ms", "exposed ms"], _sweep_rows(cfg, r)), "",
                   ("**Overlap:** " if markdown else "overlap: ") + _overlap(r), ""]
     return "\n".join(parts)
@@ -373,8 +382,9 @@ def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
               f"{cfg.warmup} warm-up + {cfg.steps} timed steps x {cfg.rounds} rounds per mode; "
               f"step = median of the slowest rank's step times")]
     if cfg.loader_workers:
-        lines.append(f"data: each rank draws every step's batch from a DataLoader(num_workers="
-                     f"{cfg.loader_workers}); a worker spends {cfg.loader_ms:g} ms of CPU per batch")
+        lines.append("data: each rank draws every step's batch from a DataLoader(num_workers="
+                     f"{cfg.loader_workers}); a worker spends {cfg.loader_ms:g} ms of CPU per "
+                     "batch")
     if not markdown:
         return "\n".join(lines) + "\n"
     lines[0] = f"command: `{common.command_line()}`"
@@ -394,8 +404,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"benchmark failed: {e}", file=sys.stderr)
             return 1
-    common.emit(lambda md: render(cfg, values[0], markdown=md), lambda md: preamble(cfg, info, markdown=md),
-                cfg.markdown)
+    common.emit(lambda md: render(cfg, values[0], markdown=md),
+                lambda md: preamble(cfg, info, markdown=md), cfg.markdown)
     return 0
 
 

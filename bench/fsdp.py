@@ -71,11 +71,12 @@ class Config:
         if self.ranks < 2:
             raise ValueError(f"expected --ranks >= 2, got {self.ranks}")
         if self.steps < 1 or self.warmup < 0 or self.rounds < 1 or self.batch < 1:
-            raise ValueError(f"expected --steps >= 1, --warmup >= 0, --rounds >= 1, --batch >= 1, got "
-                             f"{self.steps}, {self.warmup}, {self.rounds}, {self.batch}")
+            raise ValueError("expected --steps >= 1, --warmup >= 0, --rounds >= 1, --batch >= 1, "
+                             f"got {self.steps}, {self.warmup}, {self.rounds}, {self.batch}")
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
-            raise ValueError(f"expected --modes from {','.join(MODES)}, got {','.join(self.modes)!r}")
+            raise ValueError(f"expected --modes from {','.join(MODES)}, got "
+                             f"{','.join(self.modes)!r}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -184,7 +185,8 @@ def _rank_main(rank: int, n: int, cfg: Config, mode: str, gloo_init: str) -> dic
 
 
 def run(cfg: Config) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {m: {"times": [], "bytes": 0, "rss": 0, "ddp_bytes": 0} for m in cfg.modes}
+    out: dict[str, dict[str, Any]] = {m: {"times": [], "bytes": 0, "rss": 0, "ddp_bytes": 0}
+                                      for m in cfg.modes}
     with tempfile.TemporaryDirectory(prefix="ringlet-bench-fsdp-") as tmp:
         for rnd in range(cfg.rounds):
             for k, mode in enumerate(cfg.modes if rnd % 2 == 0 else cfg.modes[::-1]):
@@ -197,31 +199,34 @@ def run(cfg: Config) -> dict[str, dict[str, Any]]:
                 res["ddp_bytes"] = ranks[0]["ddp_bytes"]
                 res["rss"] = max(res["rss"], max(r["rss"] for r in ranks))
                 print(f"  round {rnd + 1}/{cfg.rounds} {mode}: median step "
-                      f"{common.median(res['times'][-cfg.steps:]):.3f} s", file=sys.stderr, flush=True)
+                      f"{common.median(res['times'][-cfg.steps:]):.3f} s",
+                      file=sys.stderr, flush=True)
     return out
 
 
 def report(cfg: Config, out: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    headers = ["mode", "step (s)", "vs torch", "samples/s", "logical MiB/rank", "vs DDP", "vs torch",
-               "peak RSS MiB"]
+    headers = ["mode", "step (s)", "vs torch", "samples/s", "logical MiB/rank",
+               "vs DDP", "vs torch", "peak RSS MiB"]
     torch_res = out.get("torch")
     rows = []
     for mode in cfg.modes:
         r = out[mode]
         step = common.median(r["times"])
         t_ratio = f"{step / common.median(torch_res['times']):.2f}" if torch_res else "-"
-        b_ratio = f"{r['bytes'] / torch_res['bytes']:.2f}" if torch_res and torch_res["bytes"] else "-"
+        b_ratio = (f"{r['bytes'] / torch_res['bytes']:.2f}"
+                   if torch_res and torch_res["bytes"] else "-")
         rows.append([mode, f"{step:.3f}", t_ratio, f"{cfg.ranks * cfg.batch / step:.1f}",
-                     f"{r['bytes'] / common.MIB:.1f}", f"{r['bytes'] / r['ddp_bytes']:.3f}", b_ratio,
-                     f"{r['rss'] / common.MIB:.0f}"])
+                     f"{r['bytes'] / common.MIB:.1f}",
+                     f"{r['bytes'] / r['ddp_bytes']:.3f}", b_ratio, f"{r['rss'] / common.MIB:.0f}"])
     return headers, rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     info = common.machine_info()
-    print(f"fully_shard benchmark: {cfg.ranks} ranks x 1 thread, GPT (bench/_models.py), batch {cfg.batch}/rank, "
-          f"AdamW; {cfg.warmup} warm-up + {cfg.steps} timed steps x {cfg.rounds} rounds", file=sys.stderr)
+    print(f"fully_shard benchmark: {cfg.ranks} ranks x 1 thread, GPT (bench/_models.py), batch "
+          f"{cfg.batch}/rank, AdamW; {cfg.warmup} warm-up + {cfg.steps} timed steps x {cfg.rounds} "
+          "rounds", file=sys.stderr)
     out = run(cfg)
     headers, rows = report(cfg, out)
     print(common.text_table(headers, rows))

@@ -71,7 +71,8 @@ class Config:
             raise ValueError(f"expected --ranks >= 2, got {self.ranks}")
         bad = [p for p in self.plans if p not in PLANS]
         if bad or not self.plans:
-            raise ValueError(f"expected --plans from {','.join(PLANS)}, got {','.join(self.plans)!r}")
+            raise ValueError(f"expected --plans from {','.join(PLANS)}, got "
+                             f"{','.join(self.plans)!r}")
         if self.steps < 1 or self.warmup < 0 or self.rounds < 1:
             raise ValueError(f"expected --steps >= 1, --warmup >= 0, --rounds >= 1, got "
                              f"{self.steps}, {self.warmup}, {self.rounds}")
@@ -95,9 +96,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         steps, rounds = a.steps, a.rounds
         if a.quick:
             plans, steps, rounds = ("tp+sp",), 3, 1
-        timeout = 120.0 + 10.0 * len(plans) * rounds * (steps + a.warmup) if a.timeout is None else a.timeout
+        timeout = (120.0 + 10.0 * len(plans) * rounds * (steps + a.warmup) if a.timeout is None
+                   else a.timeout)
         return Config(ranks=a.ranks, plans=plans, steps=steps, warmup=a.warmup, rounds=rounds,
-                      ops_only=a.ops_only, op_timeout=a.op_timeout, timeout=timeout, markdown=a.markdown)
+                      ops_only=a.ops_only, op_timeout=a.op_timeout, timeout=timeout,
+                      markdown=a.markdown)
     except ValueError as e:
         p.error(str(e))
         raise  # unreachable: p.error exits
@@ -107,7 +110,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 
 def _libraries() -> dict[str, Any]:
-    """Per library: the TP module (torch's or ringlet's, same names), Replicate/Shard and the mesh."""
+    """Per library: the TP module (torch's or ringlet's, same names), Replicate/Shard and the
+    mesh."""
     import torch.distributed.tensor as tdt
     import torch.distributed.tensor.parallel as ttp
     from torch.distributed.device_mesh import init_device_mesh as t_mesh
@@ -123,12 +127,16 @@ def _plan(tp: Any, dt: Any, sp: bool) -> dict[str, Any]:
     """torchtitan's plan, spelled with one library's classes (as tests/_tp_workers.llama_plan)."""
     seq = dt.Shard(1) if sp else dt.Replicate()
     plan = {"tok_embeddings": tp.RowwiseParallel(input_layouts=dt.Replicate(), output_layouts=seq),
-            "output": tp.ColwiseParallel(input_layouts=seq, output_layouts=dt.Shard(-1) if sp else dt.Replicate(),
+            "output": tp.ColwiseParallel(input_layouts=seq,
+                                         output_layouts=dt.Shard(-1) if sp else dt.Replicate(),
                                          use_local_output=not sp)}
     plan["layers.*.attention"] = tp.PrepareModuleInput(input_layouts=(seq, None, None),
-                                                       desired_input_layouts=(dt.Replicate(), None, None))
-    plan["layers.*.feed_forward"] = tp.PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(dt.Replicate(),))
-    for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+                                                       desired_input_layouts=(dt.Replicate(),
+                                                                              None, None))
+    plan["layers.*.feed_forward"] = (tp.PrepareModuleInput(
+        input_layouts=(seq,), desired_input_layouts=(dt.Replicate(),)))
+    for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
+                 "feed_forward.w3"):
         plan[f"layers.*.{name}"] = tp.ColwiseParallel()
     for name in ("attention.wo", "feed_forward.w2"):
         plan[f"layers.*.{name}"] = tp.RowwiseParallel(output_layouts=seq)
@@ -175,7 +183,8 @@ def _local_step_s(steps: int) -> float:
 
     model = init_(Llama(**MODEL))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    toks = torch.randint(0, MODEL["vocab"], (BATCH, MODEL["seq"] + 1), generator=torch.Generator().manual_seed(1))
+    toks = torch.randint(0, MODEL["vocab"], (BATCH, MODEL["seq"] + 1),
+                         generator=torch.Generator().manual_seed(1))
     times = []
     for _ in range(steps + 2):
         t0 = time.perf_counter()
@@ -219,8 +228,9 @@ def _rank_main(rank: int, n: int, cfg: Config, gloo_init: str) -> dict[str, Any]
         for plan in cfg.plans:
             res = _bench_plan(cfg, plan, rank, n)
             if rank == 0:
-                print(f"  {plan:<6} ringlet {res['ringlet'] * 1e3:7.1f} ms  torch {res['torch'] * 1e3:7.1f} ms  "
-                      f"ratio {res['ratio']:.3f}", file=sys.stderr, flush=True)
+                print(f"  {plan:<6} ringlet {res['ringlet'] * 1e3:7.1f} ms  torch "
+                      f"{res['torch'] * 1e3:7.1f} ms  ratio "
+                      f"{res['ratio']:.3f}", file=sys.stderr, flush=True)
             out["plans"].append(res)
         tdist.barrier()
         if rank == 0:
@@ -268,7 +278,8 @@ def dispatch_table() -> dict[str, dict[str, float]]:
     tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
     try:
         tm = t_mesh("cpu", (1,))
-        theirs = (tdt.distribute_tensor(x, tm, [tdt.Shard(0)]), tdt.distribute_tensor(y, tm, [tdt.Shard(0)]),
+        theirs = (tdt.distribute_tensor(x, tm, [tdt.Shard(0)]),
+                  tdt.distribute_tensor(y, tm, [tdt.Shard(0)]),
                   tdt.distribute_tensor(z, tm, [tdt.Replicate()]))
 
         def body(rank: int, n: int) -> dict[str, dict[str, float]]:
@@ -292,16 +303,21 @@ def render(cfg: Config, results: dict[str, Any], markdown: bool) -> str:
     parts = []
     if results.get("plans"):
         local = results["local"]
-        rows = [[r["plan"], f"{r['ringlet'] * 1e3:.1f}", f"{r['torch'] * 1e3:.1f}", f"{r['ratio']:.3f}x"]
+        rows = [[r["plan"], f"{r['ringlet'] * 1e3:.1f}", f"{r['torch'] * 1e3:.1f}",
+                 f"{r['ratio']:.3f}x"]
                 for r in results["plans"]]
         rows.append(["local (1 rank, no TP)", f"{local * 1e3:.1f}", "", ""])
-        parts += ["### Training step" if markdown else f"== TP training step ({cfg.ranks} ranks) ==", "",
+        parts += ["### Training step" if markdown
+                  else f"== TP training step ({cfg.ranks} ranks) ==", "",
                   table(["plan", "ringlet ms", "torch ms", "ringlet / torch"], rows), ""]
     ops = results["ops"]
     rows = [[op, f"{ops['ringlet'][op] * 1e6:.1f}", f"{ops['torch'][op] * 1e6:.1f}",
-             f"{ops['plain'][op] * 1e6:.1f}", f"{ops['ringlet'][op] / ops['torch'][op]:.2f}x"] for op in OPS]
-    parts += ["### DTensor dispatch (1 rank, 64x64 float32)" if markdown else "== DTensor dispatch ==", "",
-              table(["op", "ringlet us", "torch us", "plain tensor us", "ringlet / torch"], rows), ""]
+             f"{ops['plain'][op] * 1e6:.1f}", f"{ops['ringlet'][op] / ops['torch'][op]:.2f}x"]
+            for op in OPS]
+    parts += ["### DTensor dispatch (1 rank, 64x64 float32)" if markdown
+              else "== DTensor dispatch ==", "",
+              table(["op", "ringlet us", "torch us", "plain tensor us", "ringlet / torch"], rows),
+              ""]
     return "\n".join(parts)
 
 
@@ -309,8 +325,9 @@ def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
     lines = [f"command: {common.command_line()}", f"date: {info['date']}",
              f"machine: nproc {info['nproc']}; {info['cpu']}; {info['os']}",
              f"software: torch {info['torch']}, python {info['python']}",
-             (f"setup: {cfg.ranks} ranks x 1 torch thread, ringlet shm vs torch gloo, model {MODEL}, batch "
-              f"{BATCH}, AdamW; {cfg.warmup} warm-up + {cfg.steps} timed iterations x {cfg.rounds} rounds")]
+             (f"setup: {cfg.ranks} ranks x 1 torch thread, ringlet shm vs torch gloo, model "
+              f"{MODEL}, batch {BATCH}, AdamW; {cfg.warmup} warm-up + {cfg.steps} timed iterations "
+              f"x {cfg.rounds} rounds")]
     if not markdown:
         return "\n".join(lines) + "\n"
     lines[0] = f"command: `{common.command_line()}`"
@@ -326,14 +343,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         with tempfile.TemporaryDirectory(prefix="ringlet-bench-") as tmp:
             try:
-                results = common.run_ranks(cfg.ranks, _rank_main, cfg, f"file://{tmp}/gloo-store", backend="shm",
-                                           timeout=cfg.timeout, op_timeout=cfg.op_timeout, env=env)[0]
+                results = common.run_ranks(cfg.ranks, _rank_main, cfg, f"file://{tmp}/gloo-store",
+                                           backend="shm",
+                                           timeout=cfg.timeout,
+                                           op_timeout=cfg.op_timeout, env=env)[0]
             except RuntimeError as e:
                 print(f"benchmark failed: {e}", file=sys.stderr)
                 return 1
     results["ops"] = dispatch_table()
-    common.emit(lambda md: render(cfg, results, markdown=md), lambda md: preamble(cfg, info, markdown=md),
-                cfg.markdown)
+    common.emit(lambda md: render(cfg, results, markdown=md),
+                lambda md: preamble(cfg, info, markdown=md), cfg.markdown)
     return 0
 
 
