@@ -77,7 +77,8 @@ class Bucket:
         self.adopted = False                          # solo: buffer is the gradient itself
         self.pending = len(plan.indices)              # members whose gradient is not in yet
         self.launched = False
-        self.handle: Any = None                       # Work (plain all-reduce) or Future (comm hook)
+        # Work (plain all-reduce) or Future (comm hook)
+        self.handle: Any = None
 
     def own(self) -> torch.Tensor:
         """The bucket's own flat buffer, allocated on first use."""
@@ -129,8 +130,9 @@ class Bucket:
             value = value[0]
         buf = self.buffer
         if buf is None or not isinstance(value, torch.Tensor) or value.numel() != buf.numel():
-            raise TypeError(f"DistributedDataParallel: expected the comm hook's future to hold a tensor "
-                            f"of {self.plan.numel} elements for bucket {self.index}, got {_describe(value)}")
+            raise TypeError("DistributedDataParallel: expected the comm hook's future to hold a "
+                            f"tensor of {self.plan.numel} elements for bucket {self.index}, got "
+                            f"{_describe(value)}")
         if value.data_ptr() != buf.data_ptr():
             buf.copy_(value.reshape(-1))
 
@@ -163,7 +165,8 @@ class Layout:
 
     def install(self, order: list[int]) -> bool:
         """(Re)build the buckets for a ready ``order``; False if the plan did not change."""
-        plans = plan_buckets([p.numel() for p in self.params], [p.dtype for p in self.params], order,
+        plans = plan_buckets([p.numel() for p in self.params],
+                             [p.dtype for p in self.params], order,
                              self.cap_bytes, solo_bytes=self.solo_bytes, caps=self.caps)
         if self.buckets and plans == self.plans:
             return False
@@ -198,9 +201,9 @@ class Layout:
         if g is None:
             raise AssertionError(f"DDP: parameter {i} fired its gradient hook without a gradient")
         if g.layout != torch.strided:
-            raise NotImplementedError(f"DistributedDataParallel: expected dense gradients, got a "
-                                      f"{g.layout} gradient for parameter {i} (sparse gradients are "
-                                      "not supported)")
+            raise NotImplementedError("DistributedDataParallel: expected dense gradients, got a "
+                                      f"{g.layout} gradient for parameter {i} (sparse gradients "
+                                      "are not supported)")
         bucket = self.bucket_of(i)
         if (bucket.plan.solo and g.is_contiguous() and g.dtype == bucket.plan.dtype
                 and not (self.as_view and self.memory is not None and bucket.own() is not None

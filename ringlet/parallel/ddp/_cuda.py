@@ -42,7 +42,8 @@ class DevicePlan:
 def _index(d: Any, what: str) -> int:
     if isinstance(d, torch.device):
         if d.index is None:
-            raise ValueError(f"DistributedDataParallel: {what}: expected a device with an index, got {d}")
+            raise ValueError(f"DistributedDataParallel: {what}: expected a device with an index, "
+                             f"got {d}")
         return d.index
     if isinstance(d, str):
         return _index(torch.device(d), what)
@@ -66,16 +67,18 @@ def plan_devices(param_devices: Iterable[torch.device], device_ids: Any,
         raise ValueError("device_ids can only be None or contain a single element.")
     if not device_ids or device is None or device.type == "cpu":
         if device_ids or output_device is not None:
-            raise ValueError(f"DistributedDataParallel: device_ids and output_device arguments only work "
-                             f"with single-device/multiple-device GPU modules or CPU modules; expected "
-                             f"None for this module, but got device_ids {device_ids}, output_device "
-                             f"{output_device}, and module parameters {sorted(map(str, devices))}.")
+            raise ValueError("DistributedDataParallel: device_ids and output_device arguments only "
+                             "work with single-device/multiple-device GPU modules or CPU modules; "
+                             f"expected None for this module, but got device_ids {device_ids}, "
+                             f"output_device {output_device}, and module parameters "
+                             f"{sorted(map(str, devices))}.")
         return DevicePlan(device, None, None)
     ids = [_index(d, "device_ids") for d in device_ids]
     if device.index is not None and ids[0] != device.index:
-        raise ValueError(f"DistributedDataParallel: device_ids: expected [{device.index}] (the module's "
-                         f"parameters are on {device}), got {list(device_ids)}; move the module with "
-                         f"module.to({device.type}:{ids[0]}) or pass device_ids=[{device.index}]")
+        raise ValueError(f"DistributedDataParallel: device_ids: expected [{device.index}] (the "
+                         f"module's parameters are on {device}), got {list(device_ids)}; move the "
+                         f"module with module.to({device.type}:{ids[0]}) or pass "
+                         f"device_ids=[{device.index}]")
     out = ids[0] if output_device is None else _index(output_device, "output_device")
     return DevicePlan(device, ids, out)
 

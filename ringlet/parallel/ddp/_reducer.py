@@ -123,7 +123,8 @@ class Reducer:
         # included ([Note: gradients accumulated under no_sync]).
         self._used_since_sync = [False] * n
         self._expected_calls: list[int] | None = None   # static graph, learned in iteration 1
-        self._reachable: set[int] | None = None          # find_unused: union over this iteration's forwards
+        # find_unused: union over this iteration's forwards
+        self._reachable: set[int] | None = None
         self._next = 0                        # next bucket to launch
         # Buckets are rebuilt once, in the order gradients arrived in the first synchronised
         # backward (as torch does; not with find_unused_parameters, whose order may vary).
@@ -139,24 +140,28 @@ class Reducer:
         self.on_error: Any = None            # callback(message) before DDP raises an error
         self.used_last: list[bool] = []      # parameters that had a gradient in the last reduction
         self._handles = [functools.partial(self._on_grad_ready, i) for i in range(n)]
-        self._hooks = [p.register_post_accumulate_grad_hook(h) for p, h in zip(params, self._handles)]
+        self._hooks = [p.register_post_accumulate_grad_hook(h)
+                       for p, h in zip(params, self._handles)]
 
     # -- forward side --------------------------------------------------------------------------
     def check_finished(self, reset: bool = True) -> None:
-        """Raise if the previous synchronised backward started but never finalized (and forget it)."""
+        """Raise if the previous synchronised backward started but never finalized (and forget
+        it)."""
         if self.phase is Phase.REDUCING:
             if reset:
                 self._reset()
-            msg = (f"Expected to have finished reduction in the prior iteration before starting a new one. "
-                   f"DistributedDataParallel (rank {self.pg.rank()}): expected the gradient reduction of "
-                   f"iteration {self.reductions + 1} to finish before a new forward, but its backward did "
-                   "not complete (it raised, or was run with torch.autograd.grad instead of backward())")
+            msg = ("Expected to have finished reduction in the prior iteration before starting a "
+                   f"new one. DistributedDataParallel (rank {self.pg.rank()}): expected the "
+                   f"gradient reduction of iteration {self.reductions + 1} to finish before a new "
+                   "forward, but its backward did not complete (it raised, or was run with "
+                   "torch.autograd.grad instead of backward())")
             if self.on_error is not None:
                 self.on_error(msg)
             raise RuntimeError(msg)
 
     def skip_backward(self) -> None:
-        """A training forward that will not synchronise (``no_sync``): forget a stale prepared state.
+        """A training forward that will not synchronise (``no_sync``): forget a stale prepared
+        state.
 
         (A synchronising forward whose backward never ran -- e.g. evaluation with grad enabled --
         must not make the next ``no_sync`` backward reduce.)
@@ -166,7 +171,8 @@ class Reducer:
 
     def prepare_for_backward(self, outputs: Any, join_work: Any,
                              divide_by_initial_world_size: bool = True) -> None:
-        """After a synchronising forward: expect hooks, find unused parameters, hook backward start."""
+        """After a synchronising forward: expect hooks, find unused parameters, hook backward
+        start."""
         if self.phase is Phase.IDLE:
             self.join_work = join_work
             self.join_sums = join_work is not None and not divide_by_initial_world_size
@@ -228,12 +234,13 @@ class Reducer:
         """A gradient arrived for a parameter already counted (reused, or thought unused)."""
         if bucket.launched and not self._deferred():
             raise RuntimeError(
-                f"DistributedDataParallel (rank {self.pg.rank()}): parameter '{self.names[i]}' received "
-                f"a gradient after its bucket {bucket.index} was already all-reduced in iteration "
-                f"{self.reductions + 1} (expected one gradient per parameter per backward).  This "
-                "happens when a parameter is used in several reentrant checkpoints or otherwise "
-                "outside the graph seen by DDP; pass static_graph=True if the graph is the same "
-                "every iteration, or use torch.utils.checkpoint(..., use_reentrant=False)")
+                f"DistributedDataParallel (rank {self.pg.rank()}): parameter '{self.names[i]}' "
+                f"received a gradient after its bucket {bucket.index} was already all-reduced in "
+                f"iteration {self.reductions + 1} (expected one gradient per parameter per "
+                "backward).  This happens when a parameter is used in several reentrant "
+                "checkpoints or otherwise outside the graph seen by DDP; pass static_graph=True if "
+                "the graph is the same every iteration, or use torch.utils.checkpoint(..., "
+                "use_reentrant=False)")
         self._fired[i] = True
         self.layout.copy_in(i, self.params[i])
 
@@ -247,7 +254,8 @@ class Reducer:
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
         self.times.setdefault("first_launch", time.perf_counter_ns())
-        if self.skip_unused and all(self._premarked[i] and not self._fired[i] and not self._used_since_sync[i]
+        if self.skip_unused and all(self._premarked[i] and not self._fired[i]
+                                    and not self._used_since_sync[i]
                                     for i in bucket.plan.indices):
             return                                   # unused on every rank (the user promised)
         buf = bucket.buffer
@@ -258,7 +266,8 @@ class Reducer:
             gb = GradBucket(bucket.index, buf, [self.params[i] for i in bucket.plan.indices],
                             list(bucket.plan.offsets), bucket.index == len(self.layout.buckets) - 1)
             fut = hook(state, gb)
-            if not isinstance(fut, torch._C.Future):    # torch.futures.Future, or what .then() returns
+            # torch.futures.Future, or what .then() returns
+            if not isinstance(fut, torch._C.Future):
                 raise TypeError(f"DistributedDataParallel: expected the comm hook to return a "
                                 f"torch.futures.Future, got {type(fut).__name__}")
             bucket.handle = fut
@@ -281,7 +290,8 @@ class Reducer:
 
     # -- bucket rebuild --------------------------------------------------------------------------
     def rebuild_pending(self) -> bool:
-        """Whether the next training forward rebuilds the buckets (once, after the first reduction)."""
+        """Whether the next training forward rebuilds the buckets (once, after the first
+        reduction)."""
         return self._record and not self.rebuilt and self.reductions >= 1
 
     def rebuild_buckets(self, src: int) -> bool:
@@ -314,7 +324,9 @@ class Reducer:
                                     b.index == len(self.layout.buckets) - 1)
                     handles.append(hook(state, gb))
                 else:
-                    handles.append(all_reduce(zeros, op=self._reduce_op(not divide_by_initial_world_size), group=self.pg, async_op=True))
+                    handles.append(all_reduce(zeros,
+                                              op=self._reduce_op(not divide_by_initial_world_size),
+                                              group=self.pg, async_op=True))
             local = torch.full((len(self.params),), _JOINED, dtype=torch.uint8, device=self._aux)
             table = torch.empty(self.pg.size() * local.numel(), dtype=torch.uint8, device=self._aux)
             handles.append(all_gather_into_tensor(table, local, group=self.pg, async_op=True))
@@ -373,7 +385,8 @@ class Reducer:
                 self.layout.copy_out(i, p)           # used on another rank: take the average
         if self.static_graph and self._expected_calls is None:
             self._expected_calls = list(self._calls)
-        self.last_stats = ReductionStats(self.reductions + 1, len(buckets), sum(b.plan.nbytes for b in buckets),
+        self.last_stats = ReductionStats(self.reductions + 1, len(buckets),
+                                         sum(b.plan.nbytes for b in buckets),
                                          done_bytes, time.perf_counter() - t0)
 
     def _check_all_fired(self, used: torch.Tensor) -> None:
@@ -387,11 +400,12 @@ class Reducer:
                  + (f" and {len(names) - 10} more" if len(names) > 10 else "")
                  for r, names in sorted(by_rank.items())]
         raise RuntimeError(
-            f"DistributedDataParallel (rank {self.pg.rank()}): expected every parameter that requires "
-            f"grad to receive a gradient in iteration {self.reductions + 1}, but these did not: "
-            f"{'; '.join(parts)}.  Pass find_unused_parameters=True if the forward pass does not use "
-            "every parameter (or the use differs between ranks), make sure every output takes part in "
-            "the loss, or set requires_grad=False on parameters that are not trained")
+            f"DistributedDataParallel (rank {self.pg.rank()}): expected every parameter that "
+            f"requires grad to receive a gradient in iteration {self.reductions + 1}, but these "
+            f"did not: {'; '.join(parts)}.  Pass find_unused_parameters=True if the forward pass "
+            "does not use every parameter (or the use differs between ranks), make sure every "
+            "output takes part in the loss, or set requires_grad=False on parameters that are not "
+            "trained")
 
     def _join_divisor(self) -> int | None:
         """Inside Join with ``divide_by_initial_world_size=False`` (SUM): the active ranks."""

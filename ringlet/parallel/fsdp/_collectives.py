@@ -1,4 +1,5 @@
-"""The flat collectives of one param group: one all-gather, one reduce-scatter (+ one all-reduce for HSDP).
+"""The flat collectives of one param group: one all-gather, one reduce-scatter (+ one all-reduce for
+HSDP).
 
 Each collective is split into a *start* (copy-in, issue, possibly ``async_op=True``) and a
 *finish* (wait, copy-out) so that the group can prefetch: start the next group's all-gather
@@ -71,7 +72,8 @@ class BufferPool:
         free = self._free.get(key)
         best = None
         if free:
-            fits = [i for i, t in enumerate(free) if t.numel() >= numel]   # by index: == on tensors is elementwise
+            # by index: == on tensors is elementwise
+            fits = [i for i, t in enumerate(free) if t.numel() >= numel]
             if fits:
                 best = free.pop(min(fits, key=lambda i: free[i].numel()))
         if best is None:
@@ -127,7 +129,8 @@ class CommOptions:
 
 @dataclasses.dataclass
 class AllGather:
-    """An issued all-gather: ``gathered`` is filled once ``work`` completes (``work`` None: done)."""
+    """An issued all-gather: ``gathered`` is filled once ``work`` completes (``work`` None:
+    done)."""
 
     work: Work | None
     gathered: torch.Tensor
@@ -148,10 +151,11 @@ class ReduceScatter:
     pooled: bool = True
 
 
-def start_all_gather(shard_buffer: torch.Tensor, dtype: torch.dtype, layout: GroupLayout, pg: ProcessGroup,
-                     async_op: bool, pool: BufferPool, comm: Any = None,
+def start_all_gather(shard_buffer: torch.Tensor, dtype: torch.dtype, layout: GroupLayout,
+                     pg: ProcessGroup, async_op: bool, pool: BufferPool, comm: Any = None,
                      device: torch.device | None = None) -> AllGather:
-    """All-gather the shard buffers (cast to ``dtype`` for mixed precision) into a rank-major buffer.
+    """All-gather the shard buffers (cast to ``dtype`` for mixed precision) into a rank-major
+    buffer.
 
     ``shard_buffer`` may also be a post-forward shard (a block of the rank-major buffer, with
     ``pg`` the smaller group that holds the other blocks): any source whose pieces, gathered over
@@ -165,7 +169,8 @@ def start_all_gather(shard_buffer: torch.Tensor, dtype: torch.dtype, layout: Gro
               if cast else shard_buffer)
     if comm is not None:
         gathered = comm.allocate((layout.gathered_numel,), dtype=dtype, device=device)
-        return AllGather(comm(gathered, source, pg, async_op=async_op), gathered, source, False, cast)
+        return AllGather(comm(gathered, source, pg, async_op=async_op), gathered, source,
+                         False, cast)
     gathered = pool.take(layout.gathered_numel, dtype, device, group=pg)
     work = all_gather_into_tensor(gathered, source, group=pg, async_op=async_op)
     return AllGather(work, gathered, source, True, cast)
@@ -181,7 +186,8 @@ def wait_all_gather(ag: AllGather, pool: BufferPool, shard_buffer: torch.Tensor)
 
 
 def finish_all_gather(ag: AllGather, unsharded: torch.Tensor, layout: GroupLayout, pool: BufferPool,
-                      shard_buffer: torch.Tensor, keep: tuple[int, int] | None = None) -> torch.Tensor | None:
+                      shard_buffer: torch.Tensor,
+                      keep: tuple[int, int] | None = None) -> torch.Tensor | None:
     """Wait for ``ag``, copy every parameter into its view of ``unsharded``, recycle the buffers.
 
     ``keep=(start, stop)``: also return a copy of those elements of the rank-major buffer (the
@@ -209,7 +215,8 @@ def _op(divide_factor: float | None, world: int, force_sum: bool) -> tuple[Any, 
     return _make_nccl_premul_sum(scale), None
 
 
-def start_reduce_scatter(grads: Sequence[torch.Tensor | None], layout: GroupLayout, dtype: torch.dtype,
+def start_reduce_scatter(grads: Sequence[torch.Tensor | None], layout: GroupLayout,
+                         dtype: torch.dtype,
                          pg: ProcessGroup, divide_factor: float | None, pool: BufferPool,
                          opts: CommOptions | None = None, always: bool = False,
                          device: torch.device | None = None) -> ReduceScatter | None:
