@@ -324,9 +324,10 @@ def env_section() -> str:
     body = inspect.cleandoc(_env.__doc__ or "").split("\n\n", 1)[1]
     # A table row too long for one source line continues on lines indented by two spaces.
     body = re.sub(r"\n  +(?=\S)", " ", body)
-    body = re.sub(r"``([^`]+)``", r"`\1`", body).replace("docs/security.md", "[security.md](security.md)")
-    intro = ("Every `RINGLET_*` variable is read in one module, `ringlet/_env.py`, and documented in "
-             "its docstring, from which this section is generated.")
+    body = re.sub(r"``([^`]+)``", r"`\1`", body)
+    body = body.replace("docs/security.md", "[security.md](security.md)")
+    intro = ("Every `RINGLET_*` variable is read in one module, `ringlet/_env.py`, and documented "
+             "in its docstring, from which this section is generated.")
     return f"{ENV_BEGIN}\n\n{intro}\n\n{body.strip()}\n\n{ENV_END}"
 
 
