@@ -154,19 +154,24 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     pg = _call.resolve(group, op, holdable=True)
     if pg is None:
         return None
-    inp = checks.tensor(input_tensor, op, "input_tensor", pg.transport.devices)
-    out = checks.tensor(output_tensor, op, "output_tensor", pg.transport.devices, out=True)
+    inp, in_plain = checks.dense(input_tensor, op, "input_tensor", pg.transport.devices)
+    out, out_plain = checks.dense(output_tensor, op, "output_tensor", pg.transport.devices,
+                                  out=True)
     checks.blocks(out, "output_tensor", inp, "input_tensor", pg.size(), op)
     if _call.flush_hooks:
         held, w = coalescing.try_hold(pg, (op, inp.dtype), (out, inp), async_op)
         if held:
             return w
-    ctx = pg.context("all_gather", dtype=inp.dtype, numel=inp.numel())
-    src = checks.contiguous_input(inp)
+    ctx = pg.context("all_gather", inp.dtype, inp.numel())
+    src = inp if in_plain else checks.contiguous_input(inp)
+    tr = pg.transport
+    if out_plain:     # the latency path: no staging, no autograd guard unless grads are involved
+        return _call.launch(pg, op, lambda: tr.all_gather(src, out, ctx), ctx, [out], async_op,
+                            out.requires_grad or inp.requires_grad, inputs=[inp])
     st = Staged(out)
 
     def fn() -> None:
-        pg.transport.all_gather(src, st.buf, ctx)
+        tr.all_gather(src, st.buf, ctx)
         st.finish()
     return _call.launch(pg, op, fn, ctx, [out], async_op, inputs=[inp])
 
