@@ -184,8 +184,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
     pg = _call.resolve(group, name, holdable=True)
     if pg is None:
         return None
-    out = checks.tensor(output, name, "output", pg.transport.devices, out=True)
-    inp = checks.tensor(input, name, "input", pg.transport.devices)
+    out, out_plain = checks.dense(output, name, "output", pg.transport.devices, out=True)
+    inp, in_plain = checks.dense(input, name, "input", pg.transport.devices)
     checks.blocks(inp, "input", out, "output", pg.size(), name)
     red, factor = checks.reduce_op(op, name)
     checks.op_dtype(red, out.dtype, name)
@@ -193,7 +193,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
         held, w = coalescing.try_hold(pg, (name, out.dtype, int(red), factor), (out, inp), async_op)
         if held:
             return w
-    return reduce_scatter_into(pg, name, out, inp, red, factor, async_op)
+    return reduce_scatter_into(pg, name, out, inp, red, factor, async_op, (in_plain, out_plain))
 
 
 def _all_gather_base(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,

@@ -172,10 +172,19 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any
 
 
 def reduce_scatter_into(pg: ProcessGroup, name: str, out: torch.Tensor, inp: torch.Tensor, red: Any,
-                        factor: float | None, async_op: bool) -> Work | None:
-    """Issue a checked reduce-scatter of ``inp`` (``size`` blocks) into ``out``."""
+                        factor: float | None, async_op: bool,
+                        plain: tuple[bool, bool] | None = None) -> Work | None:
+    """Issue a checked reduce-scatter of ``inp`` (``size`` blocks) into ``out``.
+
+    ``plain``: whether ``inp`` and ``out`` may be used as they are, when the caller already
+    knows (:func:`checks.dense`); else it is asked here."""
     ctx = pg.context("reduce_scatter", dtype=out.dtype, numel=out.numel(), redop=int(red))
-    src = checks.contiguous_input(inp)
+    in_plain, out_plain = plain if plain is not None else (checks.plain(inp), checks.plain(out))
+    src = inp if in_plain else checks.contiguous_input(inp)
+    tr = pg.transport
+    if out_plain:     # the latency path: no staging, no autograd guard unless grads are involved
+        return _call.launch(pg, name, lambda: tr.reduce_scatter(src, out, red, factor, ctx), ctx,
+                            [out], async_op, out.requires_grad or inp.requires_grad)
     st = checks.Staged(out)
 
     def fn() -> None:
