@@ -123,3 +123,19 @@ def tagged_sum(rank: int, n: int, tag: float, steps: int) -> float:
         t.fill_(tag + rank)
     dist.all_reduce(t)
     return float(t[0])
+
+
+def survivors_failed_fast(res: list[Any], survivors: tuple[int, ...], dead: int,
+                          within: float) -> list[dict[str, Any]]:
+    """Check that each surviving rank of a run_world result raised a peer-failure (or abort)
+    error naming rank ``dead`` within ``within`` seconds -- long before the op's timeout, which
+    is what a dead peer must not cost; returns the survivors' reports for further checks."""
+    got = []
+    for r in survivors:
+        report = res[r].value
+        assert report is not None, res[r].message
+        assert report["error"].startswith(("PeerFailureError", "GroupAbortedError")), report
+        assert f"rank {dead}" in report["error"], report
+        assert report["elapsed"] < within, report
+        got.append(report)
+    return got

@@ -10,6 +10,7 @@ import mmap
 import _buffer_workers as bw
 import pytest
 import torch
+from _workers import survivors_failed_fast
 
 import ringlet.distributed as dist
 from ringlet.testing import run_threads
@@ -137,12 +138,7 @@ def test_a_buffer_outlives_its_group() -> None:
 @pytest.mark.parametrize("how", ["kill", "interrupt"])
 def test_a_peer_failing_inside_an_in_place_op_fails_the_others_fast(how: str) -> None:
     res = run_world(3, bw.peer_fails_mid_op, how, op_timeout=10.0, timeout=60)
-    for r in (0, 2):
-        got = res[r].value
-        assert got is not None, res[r].message
-        assert got["error"].startswith(("PeerFailureError", "GroupAbortedError")), got
-        assert "rank 1" in got["error"], got
-        assert got["elapsed"] < 3.0, got
+    for got in survivors_failed_fast(res, (0, 2), dead=1, within=3.0):
         assert got["quarantined"] > 0, "buffers freed after an abort must not be reused"
     if how == "kill":
         assert res[1].exitcode != 0

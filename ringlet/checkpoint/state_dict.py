@@ -37,6 +37,14 @@ __all__ = [
 ]
 
 
+_UNSUPPORTED = "unsupported"
+
+
+def _option(default: Any, read_by: str) -> Any:
+    """A :class:`StateDictOptions` field: its default and the calls that read it."""
+    return dataclasses.field(default=default, metadata={"read_by": read_by})
+
+
 @dataclasses.dataclass(frozen=True)
 class StateDictOptions:
     """How the state-dict functions build or read a state dict (torch's fields and defaults).
@@ -57,22 +65,25 @@ class StateDictOptions:
         ValueError: ``broadcast_from_rank0`` without ``full_state_dict``.
     """
 
-    full_state_dict: bool = False
-    cpu_offload: bool = False
-    ignore_frozen_params: bool = False
-    keep_submodule_prefixes: bool = True
-    strict: bool = True
-    broadcast_from_rank0: bool = False
-    flatten_optimizer_state_dict: bool = False
-    dsd_fqn_modifiers: str = "_fqn_modifiers"
+    # torch's field order (positional construction stays compatible); each field says which
+    # calls read it, and the unsupported ones are refused from that mark alone.
+    full_state_dict: bool = _option(False, "get and set")
+    cpu_offload: bool = _option(False, "get")
+    ignore_frozen_params: bool = _option(False, "get")
+    keep_submodule_prefixes: bool = _option(True, "accepted, unused")
+    strict: bool = _option(True, "set")
+    broadcast_from_rank0: bool = _option(False, "set")
+    flatten_optimizer_state_dict: bool = _option(False, _UNSUPPORTED)
+    dsd_fqn_modifiers: str = _option("_fqn_modifiers", "accepted, unused")
 
     def __post_init__(self) -> None:
         if self.broadcast_from_rank0 and not self.full_state_dict:
             raise ValueError("StateDictOptions: broadcast_from_rank0=True "
                              "expects full_state_dict=True")
-        if self.flatten_optimizer_state_dict:
-            raise NotImplementedError("StateDictOptions: flatten_optimizer_state_dict "
-                                      "is not supported by ringlet")
+        for f in dataclasses.fields(self):
+            if f.metadata["read_by"] == _UNSUPPORTED and getattr(self, f.name) != f.default:
+                raise NotImplementedError(f"StateDictOptions: {f.name} "
+                                          "is not supported by ringlet")
 
 
 def _options(options: StateDictOptions | None, submodules: Any = None) -> StateDictOptions:
