@@ -189,6 +189,14 @@ class ArenaTransport(InplaceCollectives, Transport):
             self._reduce(buf, red.completing(), None, ctx, ranks)   # a mixed call: see the note
             self._clear_desc()
             return
+        if ranks is None and self._peer_reads(nbytes):
+            self.q[self._entered_i] = ctx.seq
+            if self._peer_read_all_reduce(buf, red, ctx):
+                self._done(ctx)
+                return
+            self._reduce(buf, red.completing(), None, ctx, ranks)   # a mixed call
+            self._clear_desc()
+            return
         self._reduce(buf, red, None, ctx, ranks)
 
     def reduce(self, buf: torch.Tensor, op: ReduceArg, factor: float | None, root: int,
@@ -219,7 +227,7 @@ class ArenaTransport(InplaceCollectives, Transport):
             piece = flat if c == whole else flat[off:off + c]
             red.contribute(piece, a.slot(me, b, dt)[:c])
             self._sync(s, fp, k, ctx)
-            if k == 0 and self.heap is not None and self._peers_inplace(b):
+            if k == 0 and self._mixed and self._peers_inplace(b):
                 return self._reduce(buf, red, root, ctx, ranks)    # [Note: in-place collectives]
             if root is None or root == me:
                 parts = [piece if own and r == me else a.slot(r, b, dt)[:c] for r in self._ranks]
@@ -284,7 +292,7 @@ class ArenaTransport(InplaceCollectives, Transport):
                 if r != me or not own:
                     red.contribute(fi[r * N + off:r * N + off + c], mine[r * sub:r * sub + c])
             self._sync(s, fp, k, ctx)
-            if k == 0 and self.heap is not None and self._peers_inplace(b):
+            if k == 0 and self._mixed and self._peers_inplace(b):
                 return self._reduce_scatter(fi, fo, red, ctx)   # [Note: in-place collectives]
             parts = [a.slot(r, b, dt)[me * sub:me * sub + c] for r in self._ranks]
             if own:
@@ -393,7 +401,7 @@ class ArenaTransport(InplaceCollectives, Transport):
             b = s & 1
             a.slot(me, b, dt)[:c].copy_(fi[off:off + c])
             self._sync(s, fp, k, ctx)
-            if k == 0 and self.heap is not None and self._peers_inplace(b):
+            if k == 0 and self._mixed and self._peers_inplace(b):
                 return self._gather(inp, out, root, ctx, ranks)    # [Note: in-place collectives]
             if fo is not None:
                 for r in self._ranks:

@@ -48,6 +48,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ringlet.transport.arena_buffers import BufferHeap
+from ringlet.transport.arena_cma import (
+    PEER_ADDR,
+    PEER_READ,
+    PEER_READ_MAX_BYTES,
+    PeerReader,
+    peer_read_all_reduce,
+)
 from ringlet.transport.base import OpContext, chunks
 from ringlet.transport.reduce import Reduction
 
@@ -111,6 +118,8 @@ class InplaceCollectives:
     # Provided by ArenaTransport.
     arena: Arena
     heap: BufferHeap | None = None
+    reader: PeerReader | None = None     # set by the shm transport: [Note: peer-read all-reduce]
+    peer_read_bytes = 0                  # ordinary all_reduce from this size reads peers (0: never)
     rank: int
     world_size: int
     step: int
@@ -118,9 +127,16 @@ class InplaceCollectives:
     _hdr_i: list[list[int]]
     _ranks: list[int]
     _plans: dict[tuple[int, torch.dtype, tuple[int, ...]], list] | None = None
+    _scratch: dict[torch.dtype, torch.Tensor] | None = None
 
     def _sync(self, s: int, fp: tuple[int, int, int], chunk: int, ctx: OpContext) -> None:
         raise NotImplementedError
+
+    @property
+    def _mixed(self) -> bool:
+        """Whether peers may publish descriptors (a heap, or peer reads): the ordinary algorithms
+        then look for them after their first round (see the module note)."""
+        return self.heap is not None or self.reader is not None
 
     def buffer(self, nbytes: int) -> torch.Tensor | None:
         heap = self.heap
@@ -241,6 +257,54 @@ class InplaceCollectives:
                 parts = [v[a:b] for v in views]
                 plan.append((parts[me], parts, [p for r, p in enumerate(parts) if r != me]))
         return plan
+
+    def _peer_reads(self, nbytes: int) -> bool:
+        """Whether an ordinary all_reduce of ``nbytes`` tries [Note: peer-read all-reduce]."""
+        reader = self.reader
+        return (reader is not None and 0 < self.peer_read_bytes <= nbytes <= PEER_READ_MAX_BYTES
+                and self.world_size > 1 and reader.usable())
+
+    def _peer_read_all_reduce(self, buf: torch.Tensor, red: Reduction, ctx: OpContext) -> bool:
+        """All-reduce an ordinary tensor by reading the peers' copies; False when some rank did
+        not publish its tensor (the caller goes on with ``red.completing()``, as for a mixed
+        in-place call)."""
+        reader = self.reader
+        if reader is None:
+            raise AssertionError("peer reads without a reader")
+        flat = buf.view(-1)
+        if red.pre is not None:
+            torch.mul(flat, red.pre, out=flat)
+        fp = ctx.fingerprint()
+        s = self.step + 1
+        b = s & 1
+        q, h = self.q, self._hdr_i[self.rank][b]
+        q[h + PEER_ADDR] = flat.data_ptr()
+        q[h + DESC] = PEER_READ
+        self._sync(s, fp, 0, ctx)
+        if any(q[self._hdr_i[r][b] + DESC] != PEER_READ for r in self._ranks):
+            return False
+        addrs = [q[self._hdr_i[r][b] + PEER_ADDR] for r in self._ranks]
+        scratch = self.arena.slot(self.rank, 0, flat.dtype)
+        try:
+            peer_read_all_reduce(
+                reader, flat, addrs, lambda: self._sync(self.step + 1, fp, 1, ctx),
+                lambda k: self._private(k, flat.dtype),
+                lambda out, parts: fold_into(red, out, parts, self.rank, scratch), ctx)
+            self._complete(fp, 2, ctx)
+        except BaseException as e:
+            self._abort_in_place("all_reduce", e)
+            raise
+        return True
+
+    def _private(self, k: int, dtype: torch.dtype) -> torch.Tensor:
+        """``k`` elements of private scratch (kept per dtype: pages are touched once)."""
+        bufs = self._scratch
+        if bufs is None:
+            bufs = self._scratch = {}
+        t = bufs.get(dtype)
+        if t is None or t.numel() < k:
+            t = bufs[dtype] = torch.empty(k, dtype=dtype)
+        return t[:k]
 
     def _inplace_all_gather(self, inp: torch.Tensor, out: torch.Tensor, in_off: int,
                             out_off: int, ctx: OpContext) -> bool:

@@ -27,9 +27,10 @@ from datetime import timedelta
 from ringlet import _env
 from ringlet._segments import SHM_DIR, SHM_PREFIX, new_segment_name, sweep_stale
 from ringlet.errors import DistBackendError, DistStoreError
-from ringlet.transport.arena import C_PID, H_ABORT, Arena, ArenaLayout, default_p2p_bytes
+from ringlet.transport.arena import C_BASE, C_PID, H_ABORT, Arena, ArenaLayout, default_p2p_bytes
 from ringlet.transport.arena_algos import ArenaTransport
 from ringlet.transport.arena_buffers import BufferHeap, file_commit, region_bytes_for
+from ringlet.transport.arena_cma import PeerReader
 
 __all__ = ["SHM_DIR", "SHM_PREFIX", "ShmTransport"]
 
@@ -114,6 +115,9 @@ class ShmTransport(ArenaTransport):
             _rendezvous(store, arena, path, timeout, group)
             pids = [arena.q[arena.ctrl(r, C_PID)] for r in range(world_size)]
             transport = cls(arena, mm, pids)
+            bases = [arena.q[arena.ctrl(r, C_BASE)] for r in range(world_size)]
+            transport.reader = PeerReader(rank, pids, bases, arena.u8.data_ptr())
+            transport.peer_read_bytes = _env.shm_peer_read_bytes()
         except BaseException:
             os.close(fd)
             if rank == 0:
@@ -177,6 +181,7 @@ def _rendezvous(store, arena: Arena, path: str, timeout: float, group: str) -> N
     rank, world_size = arena.rank, arena.world_size
     td = timedelta(seconds=timeout)
     arena.set_ctrl(C_PID, os.getpid())
+    arena.set_ctrl(C_BASE, arena.u8.data_ptr())   # for [Note: peer-read all-reduce]'s probe
     if rank != 0:
         store.set(f"shm/attached/{rank}", b"1")
         store.wait(["shm/ready"], td)

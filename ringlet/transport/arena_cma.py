@@ -1,0 +1,205 @@
+"""All-reduce of ordinary tensors by reading the peers' memory (cross-memory attach).
+
+[Note: peer-read all-reduce]
+A large ``all_reduce`` on a tensor that is not a buffer of the group's heap would stream through
+the arena's slots: every rank copies its tensor in, folds the slots, and the result out -- 3
+reads and 2 writes per byte and rank.  Where the kernel lets the ranks read each other's memory
+(``process_vm_readv``: same user, no ptrace restriction between them; proved once per group, see
+:class:`PeerReader`), a message of at least ``RINGLET_SHM_PEER_READ_BYTES`` goes another way:
+
+- round ``s0``: each rank publishes, in its slot header, the descriptor ``PEER_READ`` (-1) and its
+  tensor's address.  If any rank did not (it passed a heap buffer, or cannot read its peers, or
+  has the path switched off), every rank goes on with the ordinary or mixed algorithm from the
+  next round, exactly as for a mixed in-place call ([Note: in-place collectives]).
+- fold: the tensor is cut into one contiguous block per rank; rank ``r`` reads block ``r`` of
+  every peer's tensor, a cache-sized piece at a time, into private scratch and folds the pieces
+  in rank order into its own tensor (the bits of every other path).
+- round ``s1``: every block is final everywhere.
+- gather: rank ``r`` reads block ``p`` of every peer ``p`` straight into its own tensor.
+- completion round ``s2``: no peer reads this rank's tensor any more; the caller may reuse it.
+
+Per rank and byte this touches memory about half as often as the slot path.  A rank only
+*reads* other processes, never writes them: a peer interrupted mid-operation may free its tensor
+at once, and a write would then land in memory it reuses.  The kernel checks every remote
+address (a wrong one is ``EFAULT``, reported as an error naming the peer, never a crash); local
+addresses are this rank's own tensor and scratch, in bounds by construction.  A peer that dies
+stops the rounds: the survivors raise rather than return what they read.
+
+Where it pays (2 ranks, this 2-core VM, docs/benchmarks.md): 10-28% faster than the slots from
+2 to 16 MiB, even at 32 MiB, slower from 48 MiB (the kernel copies at 7-10 GB/s, against 13 for
+a user-space copy, and the gather re-reads from memory what the fold wrote); hence the window up
+to ``PEER_READ_MAX_BYTES``.  Tried and dropped: gathering each piece as soon as its owner
+publishes it (a progress word per piece; slower at every size), and fold-round-gather segments
+of 4-16 MiB (no gain).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ringlet.errors import DistBackendError, PeerFailureError
+from ringlet.transport.base import OpContext, chunks
+
+__all__ = ["PEER_ADDR", "PEER_READ", "PeerReader", "peer_read_all_reduce"]
+
+PEER_READ = -1            # slot-header descriptor: "my tensor is at PEER_ADDR, read it"
+PEER_ADDR = 6             # the slot-header word (int64) holding that address
+PIECE_BYTES = 256 * 1024  # per peer and fold: the pieces read stay in cache until folded
+# Above this the slot path is as fast or faster on the machines measured (the kernel's copy runs
+# at 7-10 GB/s, and a tensor this large no longer stays in cache between fold and gather).
+PEER_READ_MAX_BYTES = 32 << 20
+PROBE_BYTES = 64          # of the arena header, read through a peer to prove the path works
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _libc_readv() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong,
+                   ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+_READV = _libc_readv()
+
+
+class PeerReader:
+    """Reads the memory of the group's other processes (``process_vm_readv``).
+
+    ``pids[r]`` is rank ``r``'s process; ``bases[r]`` the address at which rank ``r`` mapped the
+    arena, whose first bytes this rank sees at ``local_base``.  :meth:`usable` reads those bytes
+    through every peer once and compares them with its own view: equal bytes prove that the
+    kernel permits the reads, that each pid is still the peer's process, and that the addresses
+    mean what they say.
+    """
+
+    def __init__(self, rank: int, pids: Sequence[int], bases: Sequence[int],
+                 local_base: int) -> None:
+        self.rank = rank
+        self.pids = list(pids)
+        self.bases = list(bases)
+        self.local_base = local_base
+        self._verdict: bool | None = None
+        self.why_not = ""
+
+    def usable(self) -> bool:
+        """Whether every peer can be read (probed on the first call, then remembered)."""
+        if self._verdict is None:
+            self._verdict = self._probe()
+        return self._verdict
+
+    def _probe(self) -> bool:
+        if _READV is None:
+            self.why_not = "this C library has no process_vm_readv"
+            return False
+        mine = (ctypes.c_char * PROBE_BYTES).from_address(self.local_base).raw
+        seen = ctypes.create_string_buffer(PROBE_BYTES)
+        for r, pid in enumerate(self.pids):
+            if r == self.rank:
+                continue
+            if not self.bases[r]:
+                self.why_not = f"rank {r} published no arena address"
+                return False
+            try:
+                self.read(r, self.bases[r], ctypes.addressof(seen), PROBE_BYTES)
+            except OSError as e:
+                self.why_not = f"reading rank {r} (pid {pid}): {e}"
+                return False
+            if seen.raw != mine:
+                self.why_not = f"rank {r} (pid {pid}) shows other bytes at its arena address"
+                return False
+        return True
+
+    def read(self, r: int, remote: int, local: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at ``remote`` in rank ``r``'s memory to ``local`` in this process.
+
+        ``local`` must be this process's memory, writable for ``nbytes`` (the callers pass their
+        own tensors' storage); the kernel checks ``remote``.  Raises ``OSError`` when the peer's
+        memory cannot be read (``EFAULT``: not mapped there; ``ESRCH``: no such process).
+        """
+        if _READV is None:
+            raise OSError(errno.ENOSYS, "process_vm_readv is not available")
+        done = 0
+        while done < nbytes:
+            loc = _IOVec(local + done, nbytes - done)
+            rem = _IOVec(remote + done, nbytes - done)
+            n = _READV(self.pids[r], ctypes.byref(loc), 1, ctypes.byref(rem), 1, 0)
+            if n < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                raise OSError(err, os.strerror(err))
+            if n == 0:
+                raise OSError(errno.EFAULT, f"read 0 of {nbytes - done} bytes")
+            done += n
+
+
+def blocks(numel: int, n: int) -> list[tuple[int, int]]:
+    """(start, end) of each rank's contiguous block of ``numel`` elements."""
+    q, rem = divmod(numel, n)
+    out, lo = [], 0
+    for r in range(n):
+        hi = lo + q + (1 if r < rem else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def peer_read_all_reduce(reader: PeerReader, flat: torch.Tensor, addrs: Sequence[int],
+                         sync: Callable[[], None],
+                         scratch: Callable[[int], torch.Tensor],
+                         fold: Callable[[torch.Tensor, list[torch.Tensor]], None],
+                         ctx: OpContext) -> None:
+    """The fold, the middle round (``sync``) and the gather of [Note: peer-read all-reduce].
+
+    ``flat`` is this rank's (pre-scaled) tensor and ``addrs[r]`` rank ``r``'s; ``scratch(k)``
+    gives ``k`` private elements of ``flat``'s dtype; ``fold(out, parts)`` folds ``parts`` (in
+    rank order; ``out`` is this rank's part) into ``out``.
+    """
+    me, n = reader.rank, len(addrs)
+    size = flat.element_size()
+    spans = blocks(flat.numel(), n)
+    lo, hi = spans[me]
+    piece = max(PIECE_BYTES // size, 1)
+    buf = scratch(piece * (n - 1))
+    for a, c in chunks(hi - lo, piece):
+        mine = flat[lo + a:lo + a + c]
+        parts, k = [], 0
+        for r in range(n):
+            if r == me:
+                parts.append(mine)
+                continue
+            dst = buf[k * piece:k * piece + c]
+            _read(reader, r, addrs[r] + (lo + a) * size, dst, ctx)
+            parts.append(dst)
+            k += 1
+        fold(mine, parts)
+    sync()
+    for r, (plo, phi) in enumerate(spans):
+        if r != me and phi > plo:
+            _read(reader, r, addrs[r] + plo * size, flat[plo:phi], ctx)
+
+
+def _read(reader: PeerReader, r: int, remote: int, dst: torch.Tensor, ctx: OpContext) -> None:
+    """Read ``dst``'s size from rank ``r`` into ``dst`` (a contiguous tensor of this process)."""
+    try:
+        reader.read(r, remote, dst.data_ptr(), dst.numel() * dst.element_size())
+    except OSError as e:
+        if e.errno == errno.ESRCH:
+            raise ctx.error(PeerFailureError, f"rank {r} (pid {reader.pids[r]}) died during this "
+                            "operation", peer=r) from None
+        raise ctx.error(DistBackendError,
+                        f"could not read rank {r}'s tensor (pid {reader.pids[r]}, address "
+                        f"{remote:#x}): {e}",
+                        peer=r) from None
