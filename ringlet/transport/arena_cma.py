@@ -25,12 +25,12 @@ address (a wrong one is ``EFAULT``, reported as an error naming the peer, never 
 addresses are this rank's own tensor and scratch, in bounds by construction.  A peer that dies
 stops the rounds: the survivors raise rather than return what they read.
 
-Where it pays (2 ranks, this 2-core VM, docs/benchmarks.md): 10-28% faster than the slots from
-2 to 16 MiB, even at 32 MiB, slower from 48 MiB (the kernel copies at 7-10 GB/s, against 13 for
-a user-space copy, and the gather re-reads from memory what the fold wrote); hence the window up
-to ``PEER_READ_MAX_BYTES``.  Tried and dropped: gathering each piece as soon as its owner
-publishes it (a progress word per piece; slower at every size), and fold-round-gather segments
-of 4-16 MiB (no gain).
+Where it pays (2 ranks, a 2-core VM, docs/benchmarks.md): 17-25% less time than the slots at
+4-16 MiB, none at 2 MiB, 6% more at 32 MiB and more beyond (the kernel copies at 7-10 GB/s,
+against 13 for a user-space copy, and the gather re-reads from memory what the fold wrote);
+hence the window from ``RINGLET_SHM_PEER_READ_BYTES`` (4 MiB) to ``PEER_READ_MAX_BYTES``.
+Tried and dropped: gathering each piece as soon as its owner publishes it (a progress word per
+piece; slower at every size), and fold-round-gather segments of 4-16 MiB (no gain).
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ __all__ = ["PEER_ADDR", "PEER_READ", "PeerReader", "peer_read_all_reduce"]
 PEER_READ = -1            # slot-header descriptor: "my tensor is at PEER_ADDR, read it"
 PEER_ADDR = 6             # the slot-header word (int64) holding that address
 PIECE_BYTES = 256 * 1024  # per peer and fold: the pieces read stay in cache until folded
-# Above this the slot path is as fast or faster on the machines measured (the kernel's copy runs
+# Above this the slot path is faster on the machine measured (the kernel's copy runs
 # at 7-10 GB/s, and a tensor this large no longer stays in cache between fold and gather).
-PEER_READ_MAX_BYTES = 32 << 20
+PEER_READ_MAX_BYTES = 16 << 20
 PROBE_BYTES = 64          # of the arena header, read through a peer to prove the path works
 
 
