@@ -15,8 +15,8 @@
   group's shared memory (``comm_buffer``; committed only as buffers are allocated); 0: none
   | 16 GiB |
 | ``RINGLET_SHM_PEER_READ_BYTES`` | an ordinary (non-``comm_buffer``) all_reduce of at least this
-  many bytes, up to 32 MiB, reads the peers' memory directly (``process_vm_readv``) where the
-  kernel allows it; 0: never | 2 MiB |
+  many bytes, up to 16 MiB, reads the peers' memory directly (``process_vm_readv``) where the
+  kernel allows it; 0: never | 4 MiB |
 | ``RINGLET_SAFE_OBJECTS`` | ``1`` on every rank: object collectives build only plain data and
   tensors (``torch.load(weights_only=True)``; docs/security.md) | 0 |
 | ``RINGLET_HEARTBEAT_TIMEOUT`` | seconds without progress after which ``ringlet-run`` kills a
@@ -68,7 +68,7 @@ from datetime import timedelta
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_SLOT_BYTES = 1 << 20
-DEFAULT_PEER_READ_BYTES = 2 << 20
+DEFAULT_PEER_READ_BYTES = 4 << 20
 DEFAULT_BUFFER_BYTES = 16 << 30
 DEFAULT_TCP_CHUNK_BYTES = 1 << 20
 
@@ -137,7 +137,7 @@ def shm_buffer_bytes() -> int:
 
 def shm_peer_read_bytes() -> int:
     """``RINGLET_SHM_PEER_READ_BYTES``: an ordinary all_reduce of at least this many bytes (and at
-    most 32 MiB) reads the peers' memory directly where the kernel allows it (0: never)."""
+    most 16 MiB) reads the peers' memory directly where the kernel allows it (0: never)."""
     raw = os.environ.get("RINGLET_SHM_PEER_READ_BYTES", "").strip()
     if not raw:
         return DEFAULT_PEER_READ_BYTES
