@@ -14,7 +14,10 @@ Model: the GPT of ``bench/_models.py`` (4 pre-LN blocks, d=384, 6 heads, seq 128
 - ``local``: the bare model on each rank, no sharding, no communication (the compute floor);
 - ``ringlet``: ``ringlet.distributed.fsdp.fully_shard`` on every block, then on the root
   (default options: blocks reshard after forward, the root does not);
-- ``torch``: ``torch.distributed.fsdp.fully_shard`` the same way, on gloo.
+- ``torch``: ``torch.distributed.fsdp.fully_shard`` the same way, on gloo;
+- ``ringlet-nopf`` / ``ringlet-pf2``: ringlet with no prefetch / prefetching two groups ahead
+  (explicit ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` lists;
+  the default prefetches one group ahead).
 
 Every mode runs in its own world of ``--ranks`` processes (forkserver, one torch thread each,
 a ringlet default group over shm; the torch mode also joins a gloo group), so that each
@@ -52,7 +55,8 @@ import _common as common
 import _models as models
 import torch
 
-MODES = ("local", "ringlet", "torch")
+MODES = ("local", "ringlet", "torch", "ringlet-nopf", "ringlet-pf2")
+PREFETCH = {"ringlet-nopf": 0, "ringlet-pf2": 2}   # groups prefetched ahead (default mode: 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,7 +109,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 
 def _shard(mode: str, model: torch.nn.Module, n: int) -> None:
-    if mode == "ringlet":
+    if mode.startswith("ringlet"):
         from ringlet.distributed.fsdp import fully_shard
     elif mode == "torch":
         from torch.distributed.device_mesh import init_device_mesh
@@ -120,6 +124,20 @@ def _shard(mode: str, model: torch.nn.Module, n: int) -> None:
     for blk in model.blocks:  # type: ignore[attr-defined]
         fully_shard(blk)
     fully_shard(model)
+    if mode in PREFETCH:
+        _prefetch(model, PREFETCH[mode])
+
+
+def _prefetch(model: Any, depth: int) -> None:
+    """Explicit prefetch lists: each group starts the all-gathers of the ``depth`` groups that
+    run after it (forward: the next blocks; backward: the previous ones)."""
+    blocks = list(model.blocks)
+    order = [model, *blocks]
+    for i, m in enumerate(order):
+        m.set_modules_to_forward_prefetch(order[i + 1:i + 1 + depth])
+    back = [model, *blocks[::-1]]
+    for i, m in enumerate(back):
+        m.set_modules_to_backward_prefetch(back[i + 1:i + 1 + depth])
 
 
 def logical_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
