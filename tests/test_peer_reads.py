@@ -4,7 +4,6 @@ reader's own checks (probe, bad addresses, dead processes) without any group."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
@@ -16,15 +15,16 @@ from _workers import survivors_failed_fast
 
 from ringlet.errors import DistBackendError
 from ringlet.testing.procs import raise_first, run_world
-from ringlet.transport.arena_cma import PeerReader, _read, blocks
+from ringlet.transport.arena_cma import PeerReader, Token, _read, blocks
 from ringlet.transport.base import OpContext
 
 ENV = {"RINGLET_SHM_PEER_READ_BYTES": "4096"}
 
 
-def _reader_of_self(base: int) -> PeerReader:
+def _reader_of_self() -> PeerReader:
     """A reader whose 'peer' (rank 1) is this very process: reads are then local copies."""
-    return PeerReader(0, [os.getpid(), os.getpid()], [0, base], base)
+    own = Token()
+    return PeerReader(0, [os.getpid(), os.getpid()], [0, own.address], [0, own.value], own)
 
 
 def test_blocks_cover_the_tensor_in_rank_order() -> None:
@@ -35,7 +35,7 @@ def test_blocks_cover_the_tensor_in_rank_order() -> None:
 def test_reads_copy_bytes_and_bad_addresses_are_errors_not_crashes() -> None:
     src = torch.arange(1000, dtype=torch.float32)
     dst = torch.zeros(1000)
-    reader = _reader_of_self(src.data_ptr())
+    reader = _reader_of_self()
     assert reader.usable(), reader.why_not
     reader.read(1, src.data_ptr(), dst.data_ptr(), 4000)
     assert torch.equal(src, dst)
@@ -47,19 +47,17 @@ def test_reads_copy_bytes_and_bad_addresses_are_errors_not_crashes() -> None:
         _read(reader, 1, 4096, dst, ctx)
 
 
-def test_the_probe_refuses_wrong_addresses_and_gone_processes() -> None:
-    mine = ctypes.create_string_buffer(b"ringlet-probe" * 8)
-    other = ctypes.create_string_buffer(b"something else" * 8)
-    wrong = PeerReader(0, [os.getpid(), os.getpid()], [0, ctypes.addressof(other)],
-                       ctypes.addressof(mine))
-    assert not wrong.usable() and "other bytes" in wrong.why_not
+def test_the_probe_refuses_wrong_tokens_and_gone_processes() -> None:
+    own, other = Token(), Token()
+    pids = [os.getpid(), os.getpid()]
+    wrong = PeerReader(0, pids, [0, other.address], [0, own.value], own)
+    assert not wrong.usable() and "not rank 1's process" in wrong.why_not
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    dead = PeerReader(0, [os.getpid(), int(gone.stdout)], [0, ctypes.addressof(mine)],
-                      ctypes.addressof(mine))
+    dead = PeerReader(0, [os.getpid(), int(gone.stdout)], [0, own.address], [0, own.value], own)
     assert not dead.usable() and "rank 1" in dead.why_not
-    unpublished = PeerReader(0, [os.getpid(), os.getpid()], [0, 0], ctypes.addressof(mine))
-    assert not unpublished.usable() and "no arena address" in unpublished.why_not
+    unpublished = PeerReader(0, pids, [0, 0], [0, 0], own)
+    assert not unpublished.usable() and "no token" in unpublished.why_not
 
 
 @pytest.mark.timeout(120)

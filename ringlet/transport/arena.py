@@ -63,7 +63,8 @@ REASON_OFF = 1024         # utf-8 abort reason, up to REASON_MAX bytes
 REASON_MAX = 2048
 
 # int64 offsets inside a control block (in units of int64)
-C_STEP, C_PID, C_DEPARTED, C_ENTERED, C_DONE, C_CPU, C_BASE = 0, 8, 9, 10, 11, 12, 13
+(C_STEP, C_PID, C_DEPARTED, C_ENTERED, C_DONE, C_CPU, C_TOKEN_AT,
+ C_TOKEN) = 0, 8, 9, 10, 11, 12, 13, 14
 
 # How waits spin, sleep on the futex doorbell and notice faults: [Note: arena waits] in
 # ``arena_wait.py`` (the doorbell and the "sleeping" bytes live in this header).

@@ -38,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import secrets
 from collections.abc import Callable, Sequence
 
 import torch
@@ -45,7 +46,8 @@ import torch
 from ringlet.errors import DistBackendError, PeerFailureError
 from ringlet.transport.base import OpContext, chunks
 
-__all__ = ["PEER_ADDR", "PEER_READ", "PeerReader", "peer_read_all_reduce"]
+__all__ = ["PEER_ADDR", "PEER_READ", "PEER_READ_MAX_BYTES", "PeerReader", "Token",
+           "peer_read_all_reduce"]
 
 PEER_READ = -1            # slot-header descriptor: "my tensor is at PEER_ADDR, read it"
 PEER_ADDR = 6             # the slot-header word (int64) holding that address
@@ -53,7 +55,6 @@ PIECE_BYTES = 256 * 1024  # per peer and fold: the pieces read stay in cache unt
 # Above this the slot path is faster on the machine measured (the kernel's copy runs
 # at 7-10 GB/s, and a tensor this large no longer stays in cache between fold and gather).
 PEER_READ_MAX_BYTES = 16 << 20
-PROBE_BYTES = 64          # of the arena header, read through a peer to prove the path works
 
 
 class _IOVec(ctypes.Structure):
@@ -74,22 +75,34 @@ def _libc_readv() -> Callable[..., int] | None:
 _READV = _libc_readv()
 
 
+class Token:
+    """8 random bytes in this process's private memory, published (address and value) in the
+    arena so that peers can prove they read this very process (see :class:`PeerReader`)."""
+
+    def __init__(self) -> None:
+        self._buf = ctypes.create_string_buffer(secrets.token_bytes(8), 8)
+        self.address = ctypes.addressof(self._buf)
+        self.value = int.from_bytes(self._buf.raw, "little", signed=True)
+
+
 class PeerReader:
     """Reads the memory of the group's other processes (``process_vm_readv``).
 
-    ``pids[r]`` is rank ``r``'s process; ``bases[r]`` the address at which rank ``r`` mapped the
-    arena, whose first bytes this rank sees at ``local_base``.  :meth:`usable` reads those bytes
-    through every peer once and compares them with its own view: equal bytes prove that the
-    kernel permits the reads, that each pid is still the peer's process, and that the addresses
-    mean what they say.
+    ``pids[r]`` is rank ``r``'s process as published in the arena; rank ``r`` also published the
+    address and value of its :class:`Token` (``addrs[r]``, ``values[r]``).  :meth:`usable` reads
+    every peer's token once: the right 64 random bits prove that the kernel permits the reads and
+    that the pid names the peer's process *in this rank's pid namespace* (ranks in other
+    namespaces, whose pids mean other processes here, fail it).  ``own`` keeps this rank's token
+    alive while peers may read it.
     """
 
-    def __init__(self, rank: int, pids: Sequence[int], bases: Sequence[int],
-                 local_base: int) -> None:
+    def __init__(self, rank: int, pids: Sequence[int], addrs: Sequence[int],
+                 values: Sequence[int], own: Token | None = None) -> None:
         self.rank = rank
         self.pids = list(pids)
-        self.bases = list(bases)
-        self.local_base = local_base
+        self.addrs = list(addrs)
+        self.values = list(values)
+        self.own = own
         self._verdict: bool | None = None
         self.why_not = ""
 
@@ -103,21 +116,21 @@ class PeerReader:
         if _READV is None:
             self.why_not = "this C library has no process_vm_readv"
             return False
-        mine = (ctypes.c_char * PROBE_BYTES).from_address(self.local_base).raw
-        seen = ctypes.create_string_buffer(PROBE_BYTES)
+        seen = ctypes.c_int64()
         for r, pid in enumerate(self.pids):
             if r == self.rank:
                 continue
-            if not self.bases[r]:
-                self.why_not = f"rank {r} published no arena address"
+            if not self.addrs[r]:
+                self.why_not = f"rank {r} published no token"
                 return False
             try:
-                self.read(r, self.bases[r], ctypes.addressof(seen), PROBE_BYTES)
+                self.read(r, self.addrs[r], ctypes.addressof(seen), 8)
             except OSError as e:
                 self.why_not = f"reading rank {r} (pid {pid}): {e}"
                 return False
-            if seen.raw != mine:
-                self.why_not = f"rank {r} (pid {pid}) shows other bytes at its arena address"
+            if seen.value != self.values[r]:
+                self.why_not = (f"pid {pid} is not rank {r}'s process here (its token differs: "
+                                "another pid namespace?)")
                 return False
         return True
 

@@ -27,10 +27,18 @@ from datetime import timedelta
 from ringlet import _env
 from ringlet._segments import SHM_DIR, SHM_PREFIX, new_segment_name, sweep_stale
 from ringlet.errors import DistBackendError, DistStoreError
-from ringlet.transport.arena import C_BASE, C_PID, H_ABORT, Arena, ArenaLayout, default_p2p_bytes
+from ringlet.transport.arena import (
+    C_PID,
+    C_TOKEN,
+    C_TOKEN_AT,
+    H_ABORT,
+    Arena,
+    ArenaLayout,
+    default_p2p_bytes,
+)
 from ringlet.transport.arena_algos import ArenaTransport
 from ringlet.transport.arena_buffers import BufferHeap, file_commit, region_bytes_for
-from ringlet.transport.arena_cma import PeerReader
+from ringlet.transport.arena_cma import PeerReader, Token
 
 __all__ = ["SHM_DIR", "SHM_PREFIX", "ShmTransport"]
 
@@ -112,11 +120,15 @@ class ShmTransport(ArenaTransport):
                 store.set("shm/name", f"{os.path.basename(path)}:{region}")
             else:
                 arena.check_header()
-            _rendezvous(store, arena, path, timeout, group)
+            token = Token()
+            _rendezvous(store, arena, path, timeout, group, token)
             pids = [arena.q[arena.ctrl(r, C_PID)] for r in range(world_size)]
             transport = cls(arena, mm, pids)
-            bases = [arena.q[arena.ctrl(r, C_BASE)] for r in range(world_size)]
-            transport.reader = PeerReader(rank, pids, bases, arena.u8.data_ptr())
+            q = arena.q
+            transport.reader = PeerReader(rank, pids,
+                                          [q[arena.ctrl(r, C_TOKEN_AT)] for r in range(world_size)],
+                                          [q[arena.ctrl(r, C_TOKEN)] for r in range(world_size)],
+                                          token)
             transport.peer_read_bytes = _env.shm_peer_read_bytes()
         except BaseException:
             os.close(fd)
@@ -176,12 +188,14 @@ class ShmTransport(ArenaTransport):
             os.close(fd)
 
 
-def _rendezvous(store, arena: Arena, path: str, timeout: float, group: str) -> None:
+def _rendezvous(store, arena: Arena, path: str, timeout: float, group: str,
+                token: Token) -> None:
     """Every rank publishes its pid and attaches; rank 0 unlinks the name once all have."""
     rank, world_size = arena.rank, arena.world_size
     td = timedelta(seconds=timeout)
     arena.set_ctrl(C_PID, os.getpid())
-    arena.set_ctrl(C_BASE, arena.u8.data_ptr())   # for [Note: peer-read all-reduce]'s probe
+    arena.set_ctrl(C_TOKEN_AT, token.address)      # for [Note: peer-read all-reduce]'s probe
+    arena.set_ctrl(C_TOKEN, token.value)
     if rank != 0:
         store.set(f"shm/attached/{rank}", b"1")
         store.wait(["shm/ready"], td)
