@@ -31,6 +31,9 @@
   the store) | unset |
 | ``RINGLET_TCP_CHUNK_BYTES`` | pipelining chunk of the tcp transport's large-message algorithms
   | 1 MiB |
+| ``RINGLET_TCP_OVERLAP`` | ``1``: the tcp transport's reader thread receives a large
+  collective's frames while the calling thread sends and reduces (pays only with a spare core
+  per rank) | 0 |
 | ``RINGLET_NO_FUTEX`` | ``1``: shared-memory waits back off on timers instead of sleeping on a
   futex (for tests and comparisons) | 0 |
 | ``RINGLET_FAULT`` | test-only fault injection, e.g. ``rank=1;at=collective:seq=5;do=sigkill``
@@ -258,3 +261,12 @@ def tcp_chunk_bytes() -> int:
     if value < 4096:
         raise ValueError(f"RINGLET_TCP_CHUNK_BYTES: expected at least 4096, got {value}")
     return value
+
+
+def tcp_overlap() -> bool:
+    """``RINGLET_TCP_OVERLAP=1``: a tcp collective's frames are received by the transport's reader
+    thread while the calling thread sends and reduces (default: the calling thread does all)."""
+    raw = os.environ.get("RINGLET_TCP_OVERLAP", "0").strip()
+    if raw not in ("0", "1", ""):
+        raise ValueError(f"RINGLET_TCP_OVERLAP: expected 0 or 1, got {raw!r}")
+    return raw == "1"

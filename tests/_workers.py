@@ -55,13 +55,13 @@ def mismatch_dtype(rank: int, n: int) -> None:
     dist.all_reduce(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64))
 
 
-def timed_until_error(rank: int, n: int, steps: int) -> tuple[str, str, float]:
+def timed_until_error(rank: int, n: int, steps: int, numel: int = 1000) -> tuple[str, str, float]:
     """Loop all_reduce until an error; return (type, message, seconds from the error's op start)."""
     t0 = time.monotonic()
     try:
         for _ in range(steps):
             t0 = time.monotonic()
-            dist.all_reduce(torch.ones(1000))
+            dist.all_reduce(torch.ones(numel))
     except Exception as e:
         elapsed = time.monotonic() - t0
         try:

@@ -213,9 +213,11 @@ def test_every_collective_over_tcp(n: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_one_connection_per_pair_carries_collectives_and_messages_in_any_order() -> None:
+@pytest.mark.parametrize("overlap", ["0", "1"])   # "1": [Note: tcp I/O overlap] (8 MiB: served)
+def test_one_connection_per_pair_carries_collectives_and_messages_in_any_order(
+        overlap: str) -> None:
     res = raise_first(run_world(3, _tcp_workers.shared_connection, backend="tcp", timeout=100,
-                                op_timeout=20))
+                                op_timeout=20, env={"RINGLET_TCP_OVERLAP": overlap}))
     for r, got in enumerate(res):
         assert got["sockets_added"] == 2, (r, got)            # one per peer, 3 ranks
         assert (got["a_sum"] and got["b_sum"] and got["c_sum"] and got["d_sums"]

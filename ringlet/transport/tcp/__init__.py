@@ -7,7 +7,8 @@ The parts, in the order bytes meet them (see ``transport.py`` for how they fit t
 - ``inbox``: the receiving side -- one reader at a time, every frame routed to its owner
   ([Note: tcp routing]); ``frames``: what it tracks per frame and stream;
 - ``outbox``: the sending side -- whole frames under a send lock, ABORT and BYE;
-- ``pump``: one collective's sends and receives, bounded by its deadline; ``faults``: why an
+- ``pump``: one collective's sends and receives, bounded by its deadline (optionally received by
+  the reader thread while the caller reduces: [Note: tcp I/O overlap]); ``faults``: why an
   operation cannot go on;
 - ``algos``: which algorithm each collective runs ([Note: tcp reduction order]), from the
   families ``ring`` and ``direct``; ``p2p``: point-to-point messages;

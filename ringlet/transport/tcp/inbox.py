@@ -5,7 +5,8 @@ Collectives and point-to-point messages share one connection per pair of ranks. 
 thread reads the connections at a time (it holds ``Inbox.rd``):
 
 - while a collective runs, its own thread (``Pump.run`` calls :meth:`Inbox.take_over`): frames
-  land in its tensors without a hand-off between threads;
+  land in its tensors without a hand-off between threads -- unless the operation is *served*
+  (:meth:`Inbox.serve`, [Note: tcp I/O overlap]): then the reader thread reads them;
 - otherwise, when somebody waits for input (a point-to-point receive), the transport's reader
   thread (``ringlet-tcp-rx <group> r<rank>``); with nobody waiting it sleeps, and frames stay in
   the kernel.
@@ -85,6 +86,7 @@ class Inbox:
         self._closing = False
         self.rd = threading.Lock()                  # held by whoever reads the connections
         self.pump_reads = False                     # a running collective holds ``rd``
+        self.serving = False                        # the reader thread reads for a collective
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -203,11 +205,31 @@ class Inbox:
                 self._wake_reader()                # it may be in poll() with an old watch list
         self.rd.release()
 
+    def serve(self, on: bool) -> None:
+        """A collective starts (``on``) or ends: the reader thread reads its frames into its
+        tensors while the collective's thread sends and reduces ([Note: tcp I/O overlap])."""
+        with self.cv:
+            self.serving = on
+            if on:
+                self._park.notify()
+                poke(self._wake_w)                 # it may be in poll() with an old watch list
+
+    def await_end(self, r: int, timeout: float) -> None:
+        """Wait (at most ``timeout``) until the reader thread has seen ``r``'s stream end or an
+        ABORT from it: what a collective whose send to ``r`` failed reports, when it does not
+        read the connections itself."""
+        p = self.peers[r]
+        with self.cv:
+            self.cv.wait_for(lambda: p.gone is not None or r in self.aborted_by
+                             or r in self.desync or self._closing, timeout)
+
     def _demand(self) -> bool:
-        """Under ``cv``: whether anything needs reading while no collective runs: a point-to-point
-        receive waits, or a frame is half read.  Otherwise the reader thread sleeps and frames stay
-        in the kernel until a collective or a receive wants them (TCP holds their senders)."""
-        if self.any_source or any(w is not None for w in self.p2p_want.values()):
+        """Under ``cv``: whether the reader thread has reading to do: a running collective lets
+        it read (:meth:`serve`), a point-to-point receive waits, or a frame is half read.
+        Otherwise it sleeps and frames stay in the kernel until a collective or a receive wants
+        them (TCP holds their senders)."""
+        if self.serving or self.any_source or any(w is not None
+                                                  for w in self.p2p_want.values()):
             return True
         return any(st.owner is not None or (st.header is not None and not st.held)
                    for st in self.inb.values())

@@ -15,6 +15,24 @@ or the transport is aborted) and the connections it still sends on.  An ABORT fr
 the operation at once; a peer that closes or resets a connection this operation needs is a
 ``PeerFailureError`` at once; a silent one (cut link, stopped process) a
 ``CollectiveTimeoutError`` at the deadline naming it.
+
+[Note: tcp I/O overlap]
+By default the collective's own thread does everything: ``sendmsg`` until the socket buffer is
+full, ``recv_into`` of whatever has arrived, the reductions as frames complete.  The kernel
+already overlaps the wire with that work (the send buffer, 4 MiB or more, drains and the receive
+buffer fills while the thread reduces); what stays serial is the CPU work of the copies into and
+out of the kernel and of the reductions.  With ``RINGLET_TCP_OVERLAP=1`` an operation that
+receives two chunks or more is *served*: the transport's reader thread (the one that reads
+point-to-point messages between collectives, see [Note: tcp routing]) reads its frames straight
+into their tensors while this thread only sends and reduces, woken through the inbox's pipe as
+each frame completes (``recv_into``, ``sendmsg`` and torch's kernels release the GIL).  Nothing
+else changes: the same frames and receive order, so the same fold order and bits; the same
+deadline on this thread's ``poll``; a peer's ABORT, hang-up or reset is seen by the reader, which
+wakes this thread to raise it; a failed operation withdraws its receives under the reader's
+[busy / discard] protocol.  Smaller operations stay on this thread: a hand-off costs more than it
+saves.  It only pays where a spare core exists for the reader -- on a machine whose every core
+already runs a rank it is slower (docs/benchmarks.md, "I/O and reduction overlap"), hence off by
+default.
 """
 
 from __future__ import annotations
@@ -63,8 +81,10 @@ class Pump:
     """
 
     def __init__(self, me: int, peers: dict[int, Peer], inbox: Inbox, outbox: Outbox,
-                 chunk: int) -> None:
+                 chunk: int, overlap: bool = False) -> None:
         self.me = me
+        self.overlap = overlap                   # [Note: tcp I/O overlap]
+        self._served = False                     # the reader thread reads for this operation
         self.peers = peers
         self.inbox = inbox
         self.outbox = outbox
@@ -150,7 +170,13 @@ class Pump:
             self._fail()
             raise local_trouble(self._ctx(), self.outbox) or AssertionError("aborted: no reason")
         inbox = self.inbox
-        inbox.take_over()
+        # a frame or two has nothing to overlap with; a thread hand-off costs more than it saves
+        overlap = self.overlap and sum(len(w.view) for w in self._wants) >= 2 * self.chunk
+        self._served = overlap
+        if overlap:
+            inbox.serve(True)
+        else:
+            inbox.take_over()
         try:
             while True:
                 progressed = False
@@ -159,7 +185,8 @@ class Pump:
                         progressed = True
                 # the streams this operation needs, and any other that had something (a message
                 # for a waiting receive, an ABORT) at the last wait
-                if inbox.read_all([r for r, k in self._open.items() if k] + self._stirred):
+                if not overlap and inbox.read_all([r for r, k in self._open.items() if k]
+                                                  + self._stirred):
                     progressed = True
                 self._stirred.clear()
                 if self._settle_received():
@@ -174,7 +201,10 @@ class Pump:
             raise
         finally:
             self._release_all()
-            inbox.hand_back()
+            if overlap:
+                inbox.serve(False)
+            else:
+                inbox.hand_back()
             self.outbox.end()
 
     def _settle_received(self) -> bool:
@@ -230,6 +260,10 @@ class Pump:
     def _last_words(self, r: int) -> None:
         """Sending to ``r`` failed: read what it sent before it closed (this thread reads while
         the operation runs; briefly, since an ABORT or BYE is already there if it was sent)."""
+        if self._served:                           # the reader thread reads: wait for its verdict
+            self.inbox.await_end(r, 0.2)
+            self._check_peers(r)
+            return
         deadline = time.monotonic() + 0.2
         fd = self.peers[r].fd
         while True:
@@ -280,7 +314,9 @@ class Pump:
         ctx = self._ctx()
         poller = select.poll()
         waited_on = self._needed()
-        events = self.inbox.poll_set()
+        # reading threads poll the connections for input; with overlap that is the reader thread,
+        # which wakes this one (notify_fd) as frames complete
+        events = {} if self._served else self.inbox.poll_set()
         for r in waited_on:
             if self.sendq[r] and (r in self._held or self.outbox.free(r)):
                 fd = self.peers[r].fd

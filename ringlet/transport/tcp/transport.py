@@ -87,7 +87,8 @@ class TcpTransport(Transport):
         self.host = host
         self.inbox = Inbox(rank, peers, f"ringlet-tcp-rx {group} r{rank}")
         self.outbox = Outbox(peers, self.inbox.nudge)
-        self.pump = Pump(rank, peers, self.inbox, self.outbox, _env.tcp_chunk_bytes())
+        self.pump = Pump(rank, peers, self.inbox, self.outbox, _env.tcp_chunk_bytes(),
+                         _env.tcp_overlap())
         self.algos = Algorithms(self.pump, rank, world_size, host_keys)
         self.messages = Messages(rank, peers, self.inbox, self.outbox)
 
