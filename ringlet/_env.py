@@ -117,37 +117,34 @@ def runtime_dir() -> str | None:
     return os.environ.get("RINGLET_RUNTIME_DIR") or None
 
 
-def shm_slot_bytes() -> int:
-    raw = os.environ.get("RINGLET_SHM_SLOT_BYTES")
+def _byte_count(name: str, default: int, minimum: int) -> int:
+    """The byte count in variable ``name`` (``default`` when unset or empty), >= ``minimum``."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return DEFAULT_SLOT_BYTES
-    value = int(raw)
-    if value < 4096:
-        raise ValueError(f"RINGLET_SHM_SLOT_BYTES: expected at least 4096, got {value}")
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer number of bytes, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name}: expected bytes >= {minimum}, got {value}")
     return value
+
+
+def shm_slot_bytes() -> int:
+    """``RINGLET_SHM_SLOT_BYTES``: bytes of one shared-memory slot per rank (default 1 MiB)."""
+    return _byte_count("RINGLET_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES, 4096)
 
 
 def shm_buffer_bytes() -> int:
     """``RINGLET_SHM_BUFFER_BYTES``: per-rank reservation of a group's buffer heap (0: none)."""
-    raw = os.environ.get("RINGLET_SHM_BUFFER_BYTES", "").strip()
-    if not raw:
-        return DEFAULT_BUFFER_BYTES
-    value = int(raw)
-    if value < 0:
-        raise ValueError(f"RINGLET_SHM_BUFFER_BYTES: expected bytes >= 0, got {value}")
-    return value
+    return _byte_count("RINGLET_SHM_BUFFER_BYTES", DEFAULT_BUFFER_BYTES, 0)
 
 
 def shm_peer_read_bytes() -> int:
     """``RINGLET_SHM_PEER_READ_BYTES``: an ordinary all_reduce of at least this many bytes (and at
     most 16 MiB) reads the peers' memory directly where the kernel allows it (0: never)."""
-    raw = os.environ.get("RINGLET_SHM_PEER_READ_BYTES", "").strip()
-    if not raw:
-        return DEFAULT_PEER_READ_BYTES
-    value = int(raw)
-    if value < 0:
-        raise ValueError(f"RINGLET_SHM_PEER_READ_BYTES: expected bytes >= 0, got {value}")
-    return value
+    return _byte_count("RINGLET_SHM_PEER_READ_BYTES", DEFAULT_PEER_READ_BYTES, 0)
 
 
 def safe_objects() -> bool:
@@ -251,16 +248,7 @@ def show_stacktraces() -> bool:
 def tcp_chunk_bytes() -> int:
     """``RINGLET_TCP_CHUNK_BYTES``: bytes per pipelined frame of the tcp transport
     (default 1 MiB)."""
-    raw = os.environ.get("RINGLET_TCP_CHUNK_BYTES")
-    if not raw:
-        return DEFAULT_TCP_CHUNK_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"RINGLET_TCP_CHUNK_BYTES: expected an integer, got {raw!r}") from None
-    if value < 4096:
-        raise ValueError(f"RINGLET_TCP_CHUNK_BYTES: expected at least 4096, got {value}")
-    return value
+    return _byte_count("RINGLET_TCP_CHUNK_BYTES", DEFAULT_TCP_CHUNK_BYTES, 4096)
 
 
 def tcp_overlap() -> bool:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import signal
-import time
 from typing import Any
 
 import torch
+from _workers import outcome
 
 import ringlet.distributed as dist
 from ringlet.c10d.world import resolve_group
@@ -165,17 +166,10 @@ def peer_fails_mid_op(rank: int, n: int, how: str) -> dict[str, Any]:
     spare = dist.comm_buffer(BIG)                    # freed after the failure
     dist.all_reduce(buf)                             # one good round trip first
     _die_in_place(1, how)
-    t0 = time.monotonic()
-    try:
-        dist.all_reduce(buf)
-    except BaseException as e:   # the test reports what was raised
-        err = f"{type(e).__name__}: {e}"
-    else:
-        err = "none"
-    elapsed = time.monotonic() - t0
+    report = outcome(functools.partial(dist.all_reduce, buf))
     del buf, spare           # (the group's stored error may keep `buf` alive: `spare` is free)
     gc.collect()
-    return {"error": err, "elapsed": elapsed, "quarantined": heap.quarantined}
+    return {**report, "quarantined": heap.quarantined}
 
 
 def tcp_gives_plain(rank: int, n: int) -> bool:

@@ -7,11 +7,11 @@ import collections
 import os
 import signal
 import threading
-import time
 from typing import Any
 
 import _fsdp_workers as fw
 import torch
+from _workers import outcome
 
 import ringlet.distributed as dist
 from ringlet.parallel.fsdp._collectives import BufferPool
@@ -117,12 +117,8 @@ def peer_dies_in_backward(rank: int, n: int, how: str) -> dict[str, Any]:
     opt.step()
     opt.zero_grad()
     _kill_in_reduce_scatter(1, how)
-    t0 = time.monotonic()
-    try:
+
+    def step() -> None:
         fw.loss_fn("mlp", model, x[mine], y[mine]).backward()
         opt.step()
-    except BaseException as e:   # the test reports what was raised
-        err = f"{type(e).__name__}: {e}"
-    else:
-        err = "none"
-    return {"error": err, "elapsed": time.monotonic() - t0}
+    return outcome(step)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -123,6 +124,19 @@ def tagged_sum(rank: int, n: int, tag: float, steps: int) -> float:
         t.fill_(tag + rank)
     dist.all_reduce(t)
     return float(t[0])
+
+
+def outcome(body: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``body`` and report what it raised (``"none"`` if nothing), as ``"Type: message"``, and
+    how long it took: the rank side of :func:`survivors_failed_fast`."""
+    t0 = time.monotonic()
+    try:
+        body()
+    except BaseException as e:   # the test reports what was raised, KeyboardInterrupt included
+        err = f"{type(e).__name__}: {e}"
+    else:
+        err = "none"
+    return {"error": err, "elapsed": time.monotonic() - t0}
 
 
 def survivors_failed_fast(res: list[Any], survivors: tuple[int, ...], dead: int,
