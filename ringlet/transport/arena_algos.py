@@ -251,9 +251,18 @@ class ArenaTransport(InplaceCollectives, Transport):
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: ReduceArg,
                        factor: float | None, ctx: OpContext, ranks: Ranks = None) -> None:
-        fo, fi = out.view(-1), inp.view(-1)
         n, me = self.world_size, self.rank
-        red = reduction(op, factor, fo.dtype, n)
+        red = reduction(op, factor, out.dtype, n)
+        if ranks is None and n > 1 and self._fast_ok and red.ufunc is not None:
+            nbytes = out.numel() * out.element_size()
+            if nbytes * n <= FAST_BYTES:
+                # the latency path, as all_gather's: addresses only, no flat views
+                q = self.q
+                q[self._entered_i] = ctx.seq
+                self._small_reduce_scatter(inp, out, red, nbytes, ctx)
+                q[self._done_i] = ctx.seq
+                return
+        fo, fi = out.view(-1), inp.view(-1)
         if self._alone(ctx, ranks):
             red.contribute(fi, fo)
             return
@@ -353,6 +362,14 @@ class ArenaTransport(InplaceCollectives, Transport):
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor, ctx: OpContext,
                    ranks: Ranks = None) -> None:
         nbytes = inp.numel() * inp.element_size()
+        if nbytes <= FAST_BYTES and ranks is None and self._fast_ok and self.world_size > 1:
+            # the latency path: what _gather would do, without its flat views and prologue (both
+            # tensors are contiguous; the small path reads only their addresses)
+            q = self.q
+            q[self._entered_i] = ctx.seq
+            self._small_gather(inp, out, nbytes, ctx)
+            q[self._done_i] = ctx.seq
+            return
         if self.heap is not None and ranks is None and nbytes > INPLACE_MIN_BYTES:
             in_off = self._heap_offset(inp, nbytes)
             out_off = self._heap_offset(out, nbytes)
