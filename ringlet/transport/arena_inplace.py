@@ -32,10 +32,12 @@ still be reading its buffers, so a caller may reuse or free them at once.  A des
 cleared once every peer has passed the round after it.
 
 Mixed calls.  The ranks decide independently whether their own tensor is a buffer, so some may
-pass buffers and others ordinary tensors.  The ordinary algorithms check the peers' descriptor
-words after their first round (:meth:`InplaceCollectives._peers_inplace`); if any rank passed a
-buffer, or an in-place rank sees a peer without one, every rank restarts the operation on the
-ordinary path from the next round (whatever was copied into a slot in round ``s0`` is simply
+pass buffers and others ordinary tensors (or, for all_reduce, publish the descriptor ``PEER_READ``
+of [Note: peer-read all-reduce], which the rules below treat like a buffer's).  The ordinary
+algorithms check the peers' descriptor words after their first round
+(:meth:`InplaceCollectives._peers_inplace`); if any rank passed a buffer, or an in-place rank
+sees a peer without one, every rank restarts the operation on the ordinary path from the next
+round (whatever was copied into a slot in round ``s0`` is simply
 written again).  A rank that errors or is interrupted in the middle of an in-place collective
 aborts the group, so that no peer goes on reading a buffer that its owner may be reusing.
 """
