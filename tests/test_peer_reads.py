@@ -15,7 +15,7 @@ from _workers import survivors_failed_fast
 
 from ringlet.errors import DistBackendError
 from ringlet.testing.procs import raise_first, run_world
-from ringlet.transport.arena_cma import PeerReader, Token, _read, blocks
+from ringlet.transport.arena_cma import PeerReader, Token, _read
 from ringlet.transport.base import OpContext
 
 ENV = {"RINGLET_SHM_PEER_READ_BYTES": "4096"}
@@ -25,11 +25,6 @@ def _reader_of_self() -> PeerReader:
     """A reader whose 'peer' (rank 1) is this very process: reads are then local copies."""
     own = Token()
     return PeerReader(0, [os.getpid(), os.getpid()], [0, own.address], [0, own.value], own)
-
-
-def test_blocks_cover_the_tensor_in_rank_order() -> None:
-    assert blocks(10, 3) == [(0, 4), (4, 7), (7, 10)]
-    assert blocks(2, 3) == [(0, 1), (1, 2), (2, 2)]
 
 
 def test_reads_copy_bytes_and_bad_addresses_are_errors_not_crashes() -> None:

@@ -18,11 +18,12 @@ import torch
 from ringlet.errors import DistNetworkError
 from ringlet.testing.procs import raise_first, run_world
 from ringlet.transport.arena import Arena, ArenaLayout, usable_cpus
+from ringlet.transport.base import split_blocks
 from ringlet.transport.hierarchical import HostPlan, plan_hosts, same_kernel
 from ringlet.transport.reduce import RedOpType, reduction
 from ringlet.transport.select import parse_backend as _parse_backend
 from ringlet.transport.tcp import choose_address, wire
-from ringlet.transport.tcp.algos import Algorithms, order_free, split_blocks
+from ringlet.transport.tcp.algos import Algorithms, order_free
 
 T = 2.0
 

@@ -83,10 +83,7 @@ def dense(t: Any, op: str, arg: str, devices: tuple[str, ...] = ("cpu",), *,
     transport may use its memory as it is).  The latency path of a collective: each tensor
     attribute read costs ~50 ns here, and this reads each once."""
     t, contiguous = _gate(t, op, arg, devices, out)
-    if not contiguous or t.is_neg() or (t.dtype in _COMPLEX and t.is_conj()):
-        return t, False
-    strides = t.stride()          # a 0-dim tensor has none; the last one as in plain()
-    return t, not strides or strides[-1] == 1
+    return t, contiguous and _bytes_as_is(t)
 
 
 def _gate(t: Any, op: str, arg: str, devices: tuple[str, ...], out: bool,
@@ -263,10 +260,16 @@ def plain(t: torch.Tensor) -> bool:
     """Whether a transport may use ``t``'s memory as it is: contiguous, no conjugate/negative
     bit, and strides that byte views accept (torch calls a tensor contiguous whatever the
     strides of its size-1 dims, or of every dim when it is empty)."""
-    if not t.is_contiguous() or t.is_neg() or (t.dtype in _COMPLEX and t.is_conj()):
+    return t.is_contiguous() and t.numel() > 0 and _bytes_as_is(t)
+
+
+def _bytes_as_is(t: torch.Tensor) -> bool:
+    """For a contiguous, non-empty ``t``: no negative or conjugate bit, and a last stride of 1
+    (0-dim: none)."""
+    if t.is_neg() or (t.dtype in _COMPLEX and t.is_conj()):
         return False
     strides = t.stride()          # stride() then [-1]: half the cost of stride(-1)
-    return not strides or (strides[-1] == 1 and t.numel() > 0)
+    return not strides or strides[-1] == 1
 
 
 def contiguous_input(t: torch.Tensor) -> torch.Tensor:

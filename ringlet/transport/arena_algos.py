@@ -181,20 +181,14 @@ class ArenaTransport(InplaceCollectives, Transport):
             q[self._done_i] = ctx.seq
             return
         off = -1 if ranks is not None else self._heap_offset(buf, nbytes)
-        if off >= 0:
+        if off >= 0 or (ranks is None and self._peer_reads(nbytes)):
+            # a descriptor path: the tensor is a heap buffer, or the peers may read it
             self.q[self._entered_i] = ctx.seq
-            if self._inplace_all_reduce(buf, red, off, ctx):
+            if (self._inplace_all_reduce(buf, red, off, ctx) if off >= 0
+                    else self._peer_read_all_reduce(buf, red, ctx)):
                 self._done(ctx)
                 return
             self._reduce(buf, red.completing(), None, ctx, ranks)   # a mixed call: see the note
-            self._clear_desc()
-            return
-        if ranks is None and self._peer_reads(nbytes):
-            self.q[self._entered_i] = ctx.seq
-            if self._peer_read_all_reduce(buf, red, ctx):
-                self._done(ctx)
-                return
-            self._reduce(buf, red.completing(), None, ctx, ranks)   # a mixed call
             self._clear_desc()
             return
         self._reduce(buf, red, None, ctx, ranks)
@@ -253,29 +247,22 @@ class ArenaTransport(InplaceCollectives, Transport):
                        factor: float | None, ctx: OpContext, ranks: Ranks = None) -> None:
         n, me = self.world_size, self.rank
         red = reduction(op, factor, out.dtype, n)
-        if ranks is None and n > 1 and self._fast_ok and red.ufunc is not None:
-            nbytes = out.numel() * out.element_size()
-            if nbytes * n <= FAST_BYTES:
-                # the latency path, as all_gather's: addresses only, no flat views
-                q = self.q
-                q[self._entered_i] = ctx.seq
-                self._small_reduce_scatter(inp, out, red, nbytes, ctx)
-                q[self._done_i] = ctx.seq
-                return
-        fo, fi = out.view(-1), inp.view(-1)
-        if self._alone(ctx, ranks):
-            red.contribute(fi, fo)
+        # the prologue (``_alone``), inlined for the common case: this is the latency path
+        if (ranks is not None or n == 1) and self._alone(ctx, ranks):
+            red.contribute(inp.view(-1), out.view(-1))
             return
-        N = fo.numel()
-        nbytes = N * fo.element_size()
+        self.q[self._entered_i] = ctx.seq
+        nbytes = out.numel() * out.element_size()
         if self._fast_ok and nbytes * n <= FAST_BYTES and red.ufunc is not None:
-            self._small_reduce_scatter(fi, fo, red, nbytes, ctx)
+            # addresses only (both tensors are contiguous): no flat views
+            self._small_reduce_scatter(inp, out, red, nbytes, ctx)
             self._done(ctx)
             return
+        fo, fi = out.view(-1), inp.view(-1)
+        N = fo.numel()
         off = self._heap_offset(fi, nbytes * n) if ranks is None else -1
         if off >= 0 and red.exact and (not overlaps(fi, fo)
                                        or fo.data_ptr() == fi[me * N:].data_ptr()):
-            self.q[self._entered_i] = ctx.seq
             if self._inplace_reduce_scatter(fi, fo, red, off, ctx):
                 self._done(ctx)
                 return

@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ringlet.errors import DistBackendError, PeerFailureError
-from ringlet.transport.base import OpContext, chunks
+from ringlet.transport.base import OpContext, chunks, split_blocks
 
 __all__ = ["PEER_ADDR", "PEER_READ", "PEER_READ_MAX_BYTES", "PeerReader", "Token",
            "peer_read_all_reduce"]
@@ -158,17 +158,6 @@ class PeerReader:
             done += n
 
 
-def blocks(numel: int, n: int) -> list[tuple[int, int]]:
-    """(start, end) of each rank's contiguous block of ``numel`` elements."""
-    q, rem = divmod(numel, n)
-    out, lo = [], 0
-    for r in range(n):
-        hi = lo + q + (1 if r < rem else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
-
-
 def peer_read_all_reduce(reader: PeerReader, flat: torch.Tensor, addrs: Sequence[int],
                          sync: Callable[[], None],
                          scratch: Callable[[int], torch.Tensor],
@@ -182,11 +171,11 @@ def peer_read_all_reduce(reader: PeerReader, flat: torch.Tensor, addrs: Sequence
     """
     me, n = reader.rank, len(addrs)
     size = flat.element_size()
-    spans = blocks(flat.numel(), n)
-    lo, hi = spans[me]
+    spans = split_blocks(flat.numel(), n)
+    lo, count = spans[me]
     piece = max(PIECE_BYTES // size, 1)
     buf = scratch(piece * (n - 1))
-    for a, c in chunks(hi - lo, piece):
+    for a, c in chunks(count, piece):
         mine = flat[lo + a:lo + a + c]
         parts, k = [], 0
         for r in range(n):
@@ -199,9 +188,9 @@ def peer_read_all_reduce(reader: PeerReader, flat: torch.Tensor, addrs: Sequence
             k += 1
         fold(mine, parts)
     sync()
-    for r, (plo, phi) in enumerate(spans):
-        if r != me and phi > plo:
-            _read(reader, r, addrs[r] + plo * size, flat[plo:phi], ctx)
+    for r, (plo, c) in enumerate(spans):
+        if r != me and c:
+            _read(reader, r, addrs[r] + plo * size, flat[plo:plo + c], ctx)
 
 
 def _read(reader: PeerReader, r: int, remote: int, dst: torch.Tensor, ctx: OpContext) -> None:

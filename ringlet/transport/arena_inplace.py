@@ -203,24 +203,39 @@ class InplaceCollectives:
         descs = self._start(fp, off, ctx)
         if descs is None:
             return False
+        heap = self.heap
+        if heap is None:
+            raise AssertionError(f"in-place {op} without a buffer heap")
+        self._guarded(op, fp, ctx, lambda: body(heap, descs))
+        return True
+
+    def _guarded(self, op: str, fp: tuple[int, int, int], ctx: OpContext,
+                 body: Callable[[], None]) -> None:
+        """``body``, then the completion round; a rank leaving early aborts the group (peers may
+        be reading its tensor: see the module note)."""
         try:
-            if self.heap is None:
-                raise AssertionError(f"in-place {op} without a buffer heap")
-            body(self.heap, descs)
+            body()
             self._complete(fp, 1, ctx)
         except BaseException as e:
             self._abort_in_place(op, e)
             raise
-        return True
+
+    @staticmethod
+    def _prescaled(buf: torch.Tensor, red: Reduction) -> torch.Tensor:
+        """``buf`` flat, with the reduction's pre-scale (if any) applied in place: the first step
+        of both descriptor all-reduces, which a mixed call then continues with
+        ``red.completing()``."""
+        flat = buf.view(-1)
+        if red.pre is not None:
+            torch.mul(flat, red.pre, out=flat)
+        return flat
 
     def _inplace_all_reduce(self, buf: torch.Tensor, red: Reduction, off: int,
                             ctx: OpContext) -> bool:
         """All-reduce a heap buffer in place; False when the peers did not all pass buffers (the
         pre-scale, if any, is then already applied: the caller continues with
         ``red.completing()``)."""
-        flat = buf.view(-1)
-        if red.pre is not None:
-            torch.mul(flat, red.pre, out=flat)
+        flat = self._prescaled(buf, red)
         return self._in_place("all_reduce", off, ctx,
                               lambda heap, descs: self._fold_and_push(flat, red, heap, descs))
 
@@ -273,9 +288,7 @@ class InplaceCollectives:
         reader = self.reader
         if reader is None:
             raise AssertionError("peer reads without a reader")
-        flat = buf.view(-1)
-        if red.pre is not None:
-            torch.mul(flat, red.pre, out=flat)
+        flat = self._prescaled(buf, red)
         fp = ctx.fingerprint()
         s = self.step + 1
         b = s & 1
@@ -287,15 +300,10 @@ class InplaceCollectives:
             return False
         addrs = [q[self._hdr_i[r][b] + PEER_ADDR] for r in self._ranks]
         scratch = self.arena.slot(self.rank, 0, flat.dtype)
-        try:
-            peer_read_all_reduce(
-                reader, flat, addrs, lambda: self._sync(self.step + 1, fp, 1, ctx),
-                lambda k: self._private(k, flat.dtype),
-                lambda out, parts: fold_into(red, out, parts, self.rank, scratch), ctx)
-            self._complete(fp, 2, ctx)
-        except BaseException as e:
-            self._abort_in_place("all_reduce", e)
-            raise
+        self._guarded("all_reduce", fp, ctx, lambda: peer_read_all_reduce(
+            reader, flat, addrs, lambda: self._sync(self.step + 1, fp, 1, ctx),
+            lambda k: self._private(k, flat.dtype),
+            lambda out, parts: fold_into(red, out, parts, self.rank, scratch), ctx))
         return True
 
     def _private(self, k: int, dtype: torch.dtype) -> torch.Tensor:

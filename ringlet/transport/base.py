@@ -32,7 +32,7 @@ from ringlet.transport.reduce import RedOpType, Reduction
 _E = TypeVar("_E", bound=DistError)
 
 __all__ = ["CODE_DTYPES", "DTYPE_CODES", "OPCODES", "OpContext", "Ranks", "ReduceArg", "Transport",
-           "chunks", "whole_group"]
+           "chunks", "split_blocks", "whole_group"]
 
 ReduceArg = RedOpType | Reduction    # a reduce op (with a factor for PREMUL_SUM), or a resolved one
 Ranks = Sequence[int] | None         # a subset of the group's ranks ([Note: rank subsets])
@@ -154,6 +154,24 @@ def describe_fingerprint(fp: tuple[int, int, int]) -> str:
     if root >= 0:
         parts.append(f"root/peer {root}")
     return " ".join(parts)
+
+
+def split_blocks(numel: int, n: int) -> list[tuple[int, int]]:
+    """(offset, count) of ``n`` nearly equal blocks covering ``numel`` elements, the first
+    ``numel % n`` one element longer (one block per rank of a reduce-scatter).
+
+    Example::
+
+        >>> split_blocks(10, 3)
+        [(0, 4), (4, 3), (7, 3)]
+    """
+    q, rem = divmod(numel, n)
+    out, off = [], 0
+    for i in range(n):
+        c = q + (1 if i < rem else 0)
+        out.append((off, c))
+        off += c
+    return out
 
 
 def chunks(total: int, cap: int) -> list[tuple[int, int]]:

@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import torch
 
-from ringlet.transport.base import OpContext, Ranks, chunks
+from ringlet.transport.base import OpContext, Ranks, chunks, split_blocks
 from ringlet.transport.reduce import RedOpType, Reduction
 from ringlet.transport.tcp import direct, ring
 from ringlet.transport.tcp.pump import Pump
 
-__all__ = ["SMALL_ALL_GATHER", "SMALL_ALL_REDUCE", "SMALL_BROADCAST", "Algorithms", "order_free",
-           "split_blocks"]
+__all__ = ["SMALL_ALL_GATHER", "SMALL_ALL_REDUCE", "SMALL_BROADCAST", "Algorithms", "order_free"]
 
 SMALL_ALL_REDUCE = 64 * 1024      # bytes: direct all-reduce at or below this
 SMALL_ALL_GATHER = 64 * 1024      # bytes: direct all-gather at or below this (or with 2 ranks)
@@ -52,17 +51,6 @@ def order_free(op: RedOpType, dtype: torch.dtype, n: int) -> bool:
     if n <= 2 or op in _BITWISE:
         return True
     return not (dtype.is_floating_point or dtype.is_complex)
-
-
-def split_blocks(numel: int, n: int) -> list[tuple[int, int]]:
-    """(offset, count) of ``n`` nearly equal blocks covering ``numel`` elements."""
-    q, rem = divmod(numel, n)
-    out, off = [], 0
-    for i in range(n):
-        c = q + (1 if i < rem else 0)
-        out.append((off, c))
-        off += c
-    return out
 
 
 class Algorithms:
