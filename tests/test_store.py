@@ -953,3 +953,28 @@ def test_queue_semantics_match_torch_hash_store() -> None:
         with pytest.raises(Exception) as info:
             store.queue_pop("q", False)
         assert type(info.value).__name__ == "QueueEmptyError"
+
+
+def test_a_reply_begun_before_the_deadline_is_read_to_its_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reply's length arrives before the client's deadline and its payload after it (a
+    parked wait answered just as it expires, a client descheduled between its two reads): the
+    reply is returned, not reported as a store that stopped answering.  A frame that never
+    finishes still fails, as a frame cut mid-way."""
+    frame = P.encode_frame(P.Status.OK, [b"value"])
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(frame[:P.FRAME_LEN.size])
+        late = threading.Timer(0.3, a.sendall, (frame[P.FRAME_LEN.size:],))
+        late.start()
+        try:
+            assert P.read_frame(b, time.monotonic() + 0.1, "test") == (P.Status.OK, [b"value"])
+        finally:
+            late.join(5)
+    monkeypatch.setattr(P, "FRAME_REST_S", 0.2)
+    c, d = socket.socketpair()
+    with c, d:
+        c.sendall(frame[:P.FRAME_LEN.size + 2])      # and nothing more
+        with pytest.raises(P.DeadlinePassed) as cut:
+            P.read_frame(d, time.monotonic() + 0.05, "test")
+        assert cut.value.mid_frame

@@ -216,6 +216,9 @@ def _token_hint(token: bytes | None, host_secret: bool) -> str:
     return ""
 
 
+FRAME_REST_S = 5.0   # how long the rest of a started response frame may take (read_frame)
+
+
 def recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
     """Read exactly ``n`` bytes before ``deadline`` (monotonic; None = no deadline).
 
@@ -255,8 +258,13 @@ def read_frame(
             "is this really a ringlet store?",
             store=where,
         )
+    # The server writes a frame in one go: once its length is here, the rest is given
+    # FRAME_REST_S past the caller's deadline.  A parked get/wait answered just as its deadline
+    # passes, or a client descheduled between the two reads, has its reply in hand: the store is
+    # not lost.  A frame still unfinished after that is (a cut link, a stuck server).
+    rest = None if deadline is None else max(deadline, time.monotonic() + FRAME_REST_S)
     try:
-        return decode_payload(recv_exact(sock, n, deadline))
+        return decode_payload(recv_exact(sock, n, rest))
     except DeadlinePassed:
         raise DeadlinePassed(mid_frame=True) from None
     except ProtocolError as e:
