@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -124,6 +125,18 @@ def tagged_sum(rank: int, n: int, tag: float, steps: int) -> float:
         t.fill_(tag + rank)
     dist.all_reduce(t)
     return float(t[0])
+
+
+_RNG_LOCK = threading.Lock()
+
+
+def seeded(seed: int, build: Callable[[], Any]) -> Any:
+    """``build()`` right after ``torch.manual_seed(seed)``, one rank thread at a time: ranks that
+    are threads share torch's global generator, so a peer's draw between the seed and the build
+    would give this rank other initial weights."""
+    with _RNG_LOCK:
+        torch.manual_seed(seed)
+        return build()
 
 
 def outcome(body: Callable[[], Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from _workers import seeded
 from torch import nn
 
 from ringlet.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -82,8 +83,7 @@ def stand_in_gpu(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = seeded(0, lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
     model.register_buffer("scale", torch.ones(2))
     return model
 

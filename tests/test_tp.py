@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _tp_models import MLP, RMSNorm, init_
+from _workers import seeded
 from torch import nn
 
 from ringlet.distributed.device_mesh import init_device_mesh
@@ -258,8 +259,7 @@ def _clip_mixed(rank: int, n: int) -> tuple[str, float]:
     from ringlet.distributed.tensor.experimental import implicit_replication
 
     mesh = init_device_mesh("cpu", (n,))
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 8), nn.Linear(8, 4))
+    m = seeded(0, lambda: nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 8), nn.Linear(8, 4)))
     parallelize_module(m, mesh, {"1": ColwiseParallel(), "2": RowwiseParallel()})
     m(torch.ones(2, 4)).sum().backward()
     try:
