@@ -123,15 +123,22 @@ def token_batches(steps: int, vocab: int = 32, seq: int = 8, batch: int = 2,
     return [(t[:, :-1], t[:, 1:]) for t in toks]
 
 
-def llama_parity(rank: int, n: int, sp: bool, steps: int = 10) -> dict[str, Any]:
+def placed(device_type: str, batches: list[Any]) -> tuple[nn.Module, list[Any]]:
+    """The reference Llama and ``batches``, on the current CUDA device for ``"cuda"``."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else None
+    return init_(Llama()).to(dev), [(x.to(dev), y.to(dev)) for x, y in batches]
+
+
+def llama_parity(rank: int, n: int, sp: bool, steps: int = 10,
+                 device_type: str = "cpu") -> dict[str, Any]:
     """TP (or TP + sequence parallel + loss_parallel) Llama on ``n`` ranks vs the same model on
-    one."""
-    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
-    ref = init_(Llama())
+    one; with ``device_type="cuda"`` both on the current CUDA device."""
+    mesh = init_device_mesh(device_type, (n,), mesh_dim_names=("tp",))
+    ref, batches = placed(device_type, token_batches(steps))
     model = parallelize_llama(copy.deepcopy(ref), mesh, sp)
     # all parameters are DTensors only with sp (the norms stay plain otherwise): foreach needs one
     # kind
-    return train_pair(model, ref, token_batches(steps), lm_loss, foreach=sp,
+    return train_pair(model, ref, batches, lm_loss, foreach=sp,
                       loss_ctx=loss_parallel if sp else contextlib.nullcontext)
 
 
@@ -189,7 +196,8 @@ def llama_vs_torch(rank: int, n: int, tmp: str, steps: int = 5) -> dict[str, Any
             "torch": torch_tp_losses(tmp, rank, n, steps), "param_diff": ours["param_diff"]}
 
 
-def llama_2d(rank: int, n: int, strategy: str, steps: int = 5) -> dict[str, Any]:
+def llama_2d(rank: int, n: int, strategy: str, steps: int = 5,
+             device_type: str = "cpu") -> dict[str, Any]:
     """TP + sequence parallel on "tp", then DDP or fully_shard on "dp" (2 x 2), vs one process.
 
     Each dp rank trains on its half of every batch; the reference trains the same model on
@@ -198,9 +206,9 @@ def llama_2d(rank: int, n: int, strategy: str, steps: int = 5) -> dict[str, Any]
     from ringlet.distributed.fsdp import fully_shard
     from ringlet.nn.parallel import DistributedDataParallel
 
-    mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device_type, (2, n // 2), mesh_dim_names=("dp", "tp"))
     dp = mesh.get_local_rank("dp")
-    ref = init_(Llama())
+    ref, batches = placed(device_type, token_batches(steps, batch=4))
     model = parallelize_llama(copy.deepcopy(ref), mesh["tp"], sp=True)
     if strategy == "ddp":
         model = DistributedDataParallel(model, device_mesh=mesh["dp"])
@@ -211,7 +219,7 @@ def llama_2d(rank: int, n: int, strategy: str, steps: int = 5) -> dict[str, Any]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
     out: dict[str, Any] = {"losses": [], "ref_losses": []}
-    for x, y in token_batches(steps, batch=4):
+    for x, y in batches:
         half = slice(2 * dp, 2 * dp + 2)
         with loss_parallel():
             loss = lm_loss(model(x[half]), y[half])

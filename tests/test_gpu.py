@@ -433,6 +433,37 @@ def test_fully_shard_one_rank_on_cuda_matches_single_process(how: str) -> None:
         dist.destroy_process_group()
 
 
+@NEEDS_CUDA
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend, n", [("nccl", 1), ("gloo", 2)], ids=["nccl-1", "staged-2"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_tensor_parallel_on_cuda_matches_one_process(backend: str, n: int, sp: bool) -> None:
+    """The Llama of tests/test_tp_llama.py on a CUDA mesh (2 ranks share the GPU through
+    staging); tests/test_dtensor_devices.py checks where tensors go without a GPU."""
+    import _tp_workers
+
+    for r in raise_first(run_world(n, _tp_workers.llama_parity, sp, 10, "cuda", backend=backend,
+                                   timeout=140)):
+        assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-4)
+        assert r["param_diff"] < 1e-3, r["param_diff"]
+
+
+@NEEDS_CUDA
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_tensor_parallel_with_data_parallel_on_cuda_matches_one_process(strategy: str) -> None:
+    """TP + SP on "tp" and DDP or fully_shard on "dp" of a 2 x 2 CUDA mesh, 4 ranks sharing
+    the GPU through staging."""
+    import _tp_workers
+
+    res = raise_first(run_world(4, _tp_workers.llama_2d, strategy, 5, "cuda", backend="gloo",
+                                timeout=190))
+    for dp0, dp1 in ((res[0], res[2]), (res[1], res[3])):
+        means = [(a + b) / 2 for a, b in zip(dp0["losses"], dp1["losses"])]
+        assert means == pytest.approx(dp0["ref_losses"], abs=1e-4)
+    assert max(r["param_diff"] for r in res) < 1e-3
+
+
 # --- scripts/gpu_check.py, the GPU acceptance run -------------------------------------------------
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"

@@ -189,9 +189,11 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     Args:
         backend: ``"auto"`` (default: shared memory among the ranks of a host, tcp among
             hosts), ``"shm"``, ``"tcp"``, ``"inproc"`` (ranks are threads; ``ringlet.testing``),
-            torch's ``"gloo"`` (ringlet's ``auto``), ``"cpu:gloo,cuda:nccl"``, torch's engines
-            ``"torch:gloo"``/``"torch:nccl"``, or a name given to ``Backend.register_backend``.
-            ``get_backend()`` answers this name (for ``auto``: the transport chosen).
+            torch's ``"gloo"`` (ringlet's ``auto``; CUDA tensors staged through host memory),
+            ``"nccl"``, ``"cuda:nccl"`` or ``"cpu:gloo,cuda:nccl"`` (CUDA tensors on torch's
+            NCCL, CPU tensors on ``auto``), torch's engines ``"torch:gloo"``/``"torch:nccl"``,
+            or a name given to ``Backend.register_backend``.  ``get_backend()`` answers this
+            name (for ``auto``: the transport chosen).
         init_method: ``env://`` (default: ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
             ``WORLD_SIZE``), ``tcp://host:port`` or ``file:///path``.
         timeout: deadline of every blocking call (default ``RINGLET_TIMEOUT`` or 300 s).

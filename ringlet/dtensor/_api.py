@@ -30,6 +30,7 @@ from ringlet.dtensor._redistribute import redistribute_local
 from ringlet.dtensor._spec import DTensorSpec, Placements, format_spec, normalize_placements
 from ringlet.dtensor.placements import Partial, Placement, Replicate, Shard
 from ringlet.mesh import DeviceMesh
+from ringlet.mesh.device_mesh import compute_device
 
 __all__ = ["DTensor", "default_mesh", "distribute_tensor", "make_dtensor"]
 
@@ -121,6 +122,7 @@ class DTensor(torch.Tensor):
         """
         mesh = device_mesh if device_mesh is not None else default_mesh()
         pls = normalize_placements(placements, mesh, local_tensor.dim(), "DTensor.from_local")
+        local_tensor = on_mesh_device(local_tensor, mesh)
         if shape is None:
             gshape = list(local_tensor.shape)
             for axis, p in enumerate(pls):
@@ -249,6 +251,15 @@ def default_mesh() -> DeviceMesh:
     return DeviceMesh.from_group(w.default_pg, "cpu")
 
 
+def on_mesh_device(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``t`` on the device ``mesh`` computes on: a tensor of another device type is copied
+    there (a CPU tensor given to a CUDA mesh goes to the current CUDA device); ``meta`` tensors
+    stay (deferred initialisation).  The copy is differentiable."""
+    if t.device.type == mesh.device_type or t.is_meta:
+        return t
+    return t.to(compute_device(mesh))
+
+
 def _grad_placements(pls: Placements) -> Placements:
     """Where the gradient of a value with placements ``pls`` is wanted: Partial -> Replicate.
 
@@ -357,8 +368,8 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     coord = mesh.get_coordinate()
     if coord is None:
         raise ValueError(f"distribute_tensor: rank {mesh.get_rank()} is not part of {mesh!r}")
-    local = tensor.detach()
-    fresh = False          # True once local is a buffer of our own (a broadcast result)
+    local = on_mesh_device(tensor.detach(), mesh)
+    fresh = local.device != tensor.device     # local is a buffer of our own (a copy, a broadcast)
     if src_data_rank is not None:
         from ringlet.dtensor import _comm
 

@@ -21,6 +21,7 @@ from ringlet.dtensor._api import DTensor, default_mesh
 from ringlet.dtensor._spec import DTensorSpec, normalize_placements
 from ringlet.dtensor.placements import Partial, Placement, Shard
 from ringlet.mesh import DeviceMesh
+from ringlet.mesh.device_mesh import compute_device
 
 __all__ = ["empty", "full", "ones", "rand", "randn", "zeros"]
 
@@ -63,7 +64,7 @@ def _make(op: str, fn: Callable[..., torch.Tensor], size: Sequence[Any], whole: 
           dtype: torch.dtype | None, layout: torch.layout, requires_grad: bool,
           device_mesh: DeviceMesh | None,
           placements: Sequence[Placement] | None, *fill: Any) -> DTensor:
-    dev = (device_mesh if device_mesh is not None else default_mesh()).device_type
+    dev = compute_device(device_mesh if device_mesh is not None else default_mesh())
     return _build(op, _size(size, op), lambda s: fn(s, *fill, dtype=dtype, device=dev), whole,
                   device_mesh, placements, requires_grad, layout)
 

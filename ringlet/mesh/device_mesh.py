@@ -336,6 +336,18 @@ def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...] | list[int], 
                       mesh_dim_names=mesh_dim_names)
 
 
+def compute_device(mesh: Any) -> torch.device:
+    """The device the ranks of ``mesh`` compute on: its type (``cuda``: the current CUDA device,
+    which ``init_process_group(device_id=...)`` or ``torch.cuda.set_device`` chose).
+
+    DTensor and ``fully_shard`` put tensors that are not there yet on this device, as torch does.
+    """
+    kind = getattr(mesh, "device_type", "cpu")
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
 def _check_device_type(device_type: str) -> None:
     if device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available()):
         return
