@@ -12,6 +12,7 @@ tests/test_gpu.py (skipped without a device).
 
 from __future__ import annotations
 
+import threading
 import types
 from typing import Any
 
@@ -140,6 +141,41 @@ def test_offloaded_shards_stay_on_the_cpu_and_collectives_run_on_the_gpu(
     # each reduce-scatter's result goes back to the CPU: 2 groups x 2 ranks x 2 iterations
     assert stand_in_gpu["to_cpu"] == [(GPU, torch.float32, True)] * 8
     assert all(w.waited for w in stand_in_gpu["works"])
+
+
+class _Copy:
+    """A CUDA event's stand-in for a copy back to the CPU: the data arrives when it is waited
+    for (until then the CPU tensor holds NaN, so a gradient read too early spoils the step)."""
+
+    def __init__(self, dest: torch.Tensor, log: list[str]) -> None:
+        self.dest, self.log = dest, log
+
+    def synchronize(self) -> None:
+        self.dest.fill_(0.5)                                  # the "reduced gradient"
+        self.log.append("wait")
+
+
+def test_offloaded_gradients_are_copied_during_backward_and_land_at_its_end(
+        stand_in_gpu: dict[str, list[Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside backward the host only queues the copies of reduced shards to the CPU; it waits
+    for them once, at the end of backward, and only then are they added into ``.grad``."""
+    logs: dict[int, list[str]] = {}
+
+    def send_home(self: ShardHome, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if t.device != GPU:
+            return self.place(t), None
+        log = logs.setdefault(threading.get_ident(), [])
+        log.append("copy")
+        dest = torch.full(t.shape, float("nan"), dtype=t.dtype)
+        return dest, _Copy(dest, log)
+    monkeypatch.setattr(ShardHome, "send_home", send_home)
+    for r in run_threads(_offloaded, 2):
+        assert r["grads"] == {(torch.device("cpu"), torch.float32)}
+        for delta in r["step"]:                     # no NaN: nothing was read before its wait
+            flat = torch.tensor(delta).flatten()
+            torch.testing.assert_close(flat, torch.full_like(flat, -0.1))
+    # 2 groups, 2 iterations per rank: both copies queued before the first wait of a backward
+    assert list(logs.values()) == [["copy", "copy", "wait", "wait"] * 2] * 2
 
 
 def _on_device(rank: int, n: int) -> tuple[Any, ...]:

@@ -15,7 +15,8 @@ reduce-scatter and the collectives live -- and a *shard home*, where the sharded
 - the shard home is the compute device, except with :class:`CPUOffloadPolicy` on a GPU: then
   it is the CPU, in pinned memory (``pin_memory``), and each all-gather first copies the shard
   to the GPU (``non_blocking``: pinned memory, so the copy is a DMA queued on the stream), each
-  reduce-scatter's result is copied back to the CPU before it is added into ``.grad``.  On a CPU
+  reduce-scatter's result is copied back to the CPU before it is added into ``.grad`` (below:
+  the copies run while backward goes on, the host waits once at its end).  On a CPU
   compute device the policy changes nothing;
 - the all-gather's output, the unsharded parameters, the reduce-scatter's input and output live
   on the compute device (``comm_buffer`` only for CPU groups with a buffer heap,
@@ -28,11 +29,16 @@ the current stream before the all-gather is issued, and the collective reads its
 every kernel queued there (on the current stream, or on the group's side stream after it waited
 for the current one), so it reads the copied shard.  fully_shard reads an asynchronous
 collective's output only after ``work.wait()`` (``_collectives.finish_all_gather``,
-``finish_reduce_scatter``), which orders the current stream after it.  The copy of a reduced
-shard back to the CPU is blocking -- the host reads it (gradient accumulation, the optimizer
-step) without looking at streams -- so it is the one host synchronisation that offloading adds
-per group and backward; it also means every earlier copy of a pinned shard to the GPU has run
-before the optimizer writes that shard again.  Without offloading fully_shard makes no host
+``finish_reduce_scatter``), which orders the current stream after it.  Inside backward the
+copy of a reduced shard back to (pinned) CPU memory is queued ``non_blocking`` on the current
+stream with an event after it (:meth:`ShardHome.send_home`), and the host goes on queueing
+backward; the result is added into ``.grad`` only when it *lands*: at the end of backward (the
+final callback), before the next forward, or before anything else reads the gradients
+(``state_dict``, ``to()``, ``deepcopy``), where the host waits for the events.  That is the one
+host synchronisation offloading adds per backward (the first wait covers the rest: every event
+is on the same stream), and since each event follows every copy of a pinned shard to the GPU
+queued before it, those copies have run before the optimizer writes the shards again.  Unpinned
+memory (``pin_memory=False``) copies back blocking.  Without offloading fully_shard makes no host
 synchronisation, and on a CPU mesh no CUDA call at all.
 """
 
@@ -44,6 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringlet.mesh.device_mesh import compute_device
 from ringlet.parallel.fsdp.policies import CPUOffloadPolicy, OffloadPolicy
 
 __all__ = ["ShardHome", "compute_device", "default_mesh_type", "move_buffers"]
@@ -56,14 +63,6 @@ def default_mesh_type(modules: Iterable[nn.Module]) -> str:
             if p.device.type == "cuda":
                 return "cuda"
     return "cpu"
-
-
-def compute_device(mesh: Any) -> torch.device:
-    """The device a group computes on: the mesh's (``cuda``: the current CUDA device)."""
-    kind = getattr(mesh, "device_type", "cpu")
-    if kind == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(kind)
 
 
 def move_buffers(modules: Iterable[nn.Module], device: torch.device) -> None:
@@ -119,6 +118,20 @@ class ShardHome:
             return t.pin_memory() if self.pin and not t.is_pinned() else t
         out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
         return out.copy_(t)
+
+    def send_home(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start moving a reduced shard to the shard home; returns it there and the copy to
+        wait for (``None``: already complete).  Only a CUDA tensor going to pinned memory is
+        copied asynchronously: the returned CUDA event is recorded after the copy on the
+        current stream, and its ``synchronize()`` is the one host wait.  Anything else is
+        :meth:`place`'s blocking copy."""
+        if not (self.offload and self.pin and t.device.type == "cuda"):
+            return self.place(t), None
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return out, done
 
     def rebind(self, t: torch.Tensor) -> ShardHome:
         """After ``module._apply`` moved the shards to ``t.device``: the new placement."""

@@ -68,6 +68,8 @@ class FSDPParamGroup:
         self._unsharded_alias: torch.Tensor | None = None  # same storage, own version counter
         self._pending_unshard: C.AllGather | None = None
         self._pending_reduce: C.ReduceScatter | None = None
+        # reduced shards on their way to the CPU (offload): (shards, params with grads, copy)
+        self._landing: list[tuple[torch.Tensor, list[int], Any]] = []
         self.pool = C.BufferPool()     # replaced by the root's shared pool at lazy init
         # HSDP: reduce-scattered, not yet all-reduced
         self._partial_reduce: torch.Tensor | None = None
@@ -93,7 +95,7 @@ class FSDPParamGroup:
     def __deepcopy__(self, memo: dict[int, Any]) -> FSDPParamGroup:
         """Copy the sharded state; see [Note: copying a fully_shard module] in ``_api.py``."""
         if self._pending_unshard is not None or self._pending_reduce is not None or \
-                self.sharded_state is not ShardedState.SHARDED:
+                self._landing or self.sharded_state is not ShardedState.SHARDED:
             raise AssertionError(f"deepcopy of {self!r}: expected a resharded group with no "
                                  "collective in flight (FSDPModule.__deepcopy__ prepares it)")
         new = FSDPParamGroup.__new__(FSDPParamGroup)
@@ -245,11 +247,14 @@ class FSDPParamGroup:
     def has_unsharded_grads(self) -> bool:
         return any(p.has_unsharded_grad() for p in self.params)
 
-    def finish_reduce(self) -> None:
-        """Wait for this group's reduce-scatter (and HSDP all-reduce); add the
-        result into ``.grad``."""
+    def finish_reduce(self, land: bool = True) -> None:
+        """Wait for this group's reduce-scatter (and HSDP all-reduce); add the result into
+        ``.grad``.  ``land=False`` (inside backward): a result being copied back to the CPU
+        is added later, by :meth:`land` ([Note: FSDP devices] in ``_device.py``)."""
         rs = self._pending_reduce
         if rs is None:
+            if land:
+                self.land()
             return
         self._pending_reduce = None
         out = C.finish_reduce_scatter(rs, self.pool)
@@ -268,11 +273,22 @@ class FSDPParamGroup:
             self.all_reduce_hook(out)
         if out.dtype != self.orig_dtype:
             out = out.to(self.orig_dtype)
-        out = self.home.place(out)          # offloaded: the sharded .grad lives on the CPU
-        with torch.no_grad():
-            for i in sorted(with_grad):
-                p = self.params[i]
-                p.accumulate_sharded_grad(p.local_view(out))
+        out, copying = self.home.send_home(out)  # offloaded: the sharded .grad lives on the CPU
+        self._landing.append((out, sorted(with_grad), copying))
+        if land or copying is None:
+            self.land()
+
+    def land(self) -> None:
+        """Add the reduced shards into ``.grad`` in the order they were reduced, each once
+        its copy to the CPU has finished."""
+        while self._landing:
+            out, with_grad, copying = self._landing.pop(0)
+            if copying is not None:
+                copying.synchronize()
+            with torch.no_grad():
+                for i in with_grad:
+                    p = self.params[i]
+                    p.accumulate_sharded_grad(p.local_view(out))
 
     # -- re-materialisation (module._apply: to_empty, to(dtype), ...) ------------------------
     def apply_fn(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -298,7 +298,7 @@ class FSDPState:
         if self.training_state is not _T.POST_BACKWARD:
             self.transition(_T.POST_BACKWARD, "post-backward")
         if self.group is not None:
-            ctx.finish_reductions()
+            ctx.finish_reductions(land=False)
             self.group.post_backward()
             ctx.note_reduction(self.group)
 
@@ -343,6 +343,7 @@ class IterationContext:
         self.order_frozen = False
         self.post_optim_event: Any = None
         self._reducing: list[FSDPParamGroup] = []  # groups with a reduction in flight
+        self._landing: list[FSDPParamGroup] = []   # groups with results on their way to the CPU
         self._callback_queued = False
 
     @staticmethod
@@ -406,10 +407,18 @@ class IterationContext:
         if group._pending_reduce is not None:
             self._reducing.append(group)
 
-    def finish_reductions(self) -> None:
-        """Wait for every reduction in flight and add the results into the sharded gradients."""
+    def finish_reductions(self, land: bool = True) -> None:
+        """Wait for every reduction in flight and add the results into the sharded gradients;
+        ``land=False`` (inside backward) leaves results still being copied to the CPU for a
+        later call ([Note: FSDP devices] in ``_device.py``)."""
         while self._reducing:
-            self._reducing.pop(0).finish_reduce()
+            group = self._reducing.pop(0)
+            group.finish_reduce(land)
+            if group._landing and group not in self._landing:
+                self._landing.append(group)
+        if land:
+            while self._landing:
+                self._landing.pop(0).land()
 
     def _final_callback(self) -> None:
         # _callback_queued stays True until the end: post_backward below must not queue another.
@@ -433,9 +442,11 @@ class IterationContext:
             g = s.group
             if g is not None:
                 g._pending_reduce = None
+                g._landing.clear()
                 g.reshard()
             s.to_idle()
         self._reducing.clear()
+        self._landing.clear()
 
 
 def _after(order: list[FSDPState], state: FSDPState) -> list[FSDPState]:
