@@ -9,9 +9,11 @@ Rows: collectives on NCCL (1 rank) and staged through host memory over ringlet's
 before each collective (stream ordering); DDP and fully_shard training ``--steps`` steps on CUDA,
 1 rank on NCCL and 2 ranks sharing the GPU, losses against the same training in one process;
 fully_shard the same under ``CPUOffloadPolicy`` (shards and gradients in pinned CPU memory);
-the step time of DDP and fully_shard against torch's own DDP and FSDP2 on NCCL (fails above
-``--max-ratio``).  Every ringlet row runs in fresh processes (``ringlet.testing.run_world``), the
-torch baselines in a child process of this script.
+tensor parallelism on 1 rank (NCCL) and 2 ranks (staged), and fully_shard + tensor parallelism
+on a 2 x 2 mesh of 4 ranks sharing the GPU (staged), against one process; the step time of DDP
+and fully_shard against torch's own DDP and FSDP2 on NCCL (fails above ``--max-ratio``).  Every
+ringlet row runs in fresh processes (``ringlet.testing.run_world``), the torch baselines in a
+child process of this script.
 
 ``--rehearse`` runs the same rows on the CPU, to catch a plain bug of this script before the rare
 GPU run: the rank bodies take the device as an argument (``"cuda:0"`` or ``"cpu"``) and every CUDA
@@ -71,10 +73,11 @@ def _sync(device: str) -> None:
 
 
 def _slow_kernel(device: str) -> None:
-    """Queue ~50 ms of GPU work on the current stream (the host goes on at once); on the CPU a
-    5 ms sleep of the host, after which the tensor is written as on the GPU."""
+    """Queue ~0.1 s of GPU work on the current stream (200M cycles: 0.1 s at 2 GHz, more at
+    lower clocks; the host goes on at once); on the CPU a 5 ms sleep of the host, after which
+    the tensor is written as on the GPU."""
     if _on_gpu(device):
-        torch.cuda._sleep(50_000_000)
+        torch.cuda._sleep(200_000_000)
     else:
         time.sleep(0.005)
 
@@ -100,7 +103,7 @@ def _ddp_devices(device: str) -> list[int] | None:
 
 def collectives(rank: int, n: int, slow: bool, device: str = GPU) -> str:
     """all_reduce (sync, async), all_gather, reduce_scatter, broadcast on ``device``; with
-    ``slow``, each input is written by a kernel queued behind a ~50 ms sleep kernel."""
+    ``slow``, each input is written by a kernel queued behind a ~0.1 s sleep kernel."""
     import ringlet.distributed as dist
 
     dev = torch.device(device)
@@ -205,6 +208,39 @@ def train(rank: int, n: int, strategy: str, steps: int, device: str = GPU) -> li
             _check(_offloaded(shard_, device) and _offloaded(grad, device),
                    f"offloaded shard on {shard_.device}, its grad on {grad.device}: expected "
                    "both in pinned CPU memory")
+    return got
+
+
+def tp_train(rank: int, n: int, dp: int, steps: int, device: str = GPU) -> list[float]:
+    """Tensor parallelism (column-, row-, column-, row-wise Linears) on the ``tp`` axis of a
+    ``(dp, n // dp)`` mesh of ``device``'s type, plus fully_shard on ``dp`` when ``dp > 1``; raises
+    unless the mean losses equal the same training on the whole batch in this process.  The
+    model is built on the device, as torch's tutorials do, and parallelized there."""
+    import ringlet.distributed as dist
+    from ringlet.distributed.device_mesh import init_device_mesh
+    from ringlet.distributed.fsdp import fully_shard
+    from ringlet.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh(torch.device(device).type, (dp, n // dp),
+                            mesh_dim_names=("dp", "tp"))
+    local = _model(device)
+    plan = {str(i): ColwiseParallel() if i % 4 == 0 else RowwiseParallel() for i in (0, 2, 4, 6)}
+    model = parallelize_module(copy.deepcopy(local), mesh["tp"], plan)
+    if dp > 1:
+        _parallel(model, "fully_shard", None, functools.partial(fully_shard, mesh=mesh["dp"]),
+                  device)
+    dp_group = mesh.get_group("dp")
+    got = _losses(model, steps, mesh.get_local_rank("dp"), dp,
+                  lambda t: dist.all_reduce(t, group=dp_group), device)
+    want = _whole(local, steps, dp, device)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL)
+    for name, p in model.named_parameters():
+        _check(p.to_local().device == torch.device(device),
+               f"{name}: local shard on {p.to_local().device}, expected {device}")
     return got
 
 
@@ -318,6 +354,12 @@ def rows(me: Any, steps: int, max_ratio: float,
         out.append((f"{strategy} {steps} steps staged 2 ranks vs single process",
                     lambda st=strategy: _world(2, me.train, st, steps, device,
                                                backend="gloo")[0][-1]))
+    out.append((f"tensor parallel {steps} steps nccl 1 rank vs single process",
+                lambda: _world(1, me.tp_train, 1, steps, device, backend="nccl")[0][-1]))
+    out.append((f"tensor parallel {steps} steps staged 2 ranks vs single process",
+                lambda: _world(2, me.tp_train, 1, steps, device, backend="gloo")[0][-1]))
+    two_d = f"fully_shard + tensor parallel 2x2 {steps} steps staged 4 ranks vs single process"
+    out.append((two_d, lambda: _world(4, me.tp_train, 2, steps, device, backend="gloo")[0][-1]))
     for strategy in ("ddp", "fully_shard"):
         out.append((f"speed {strategy} vs torch (1 rank nccl)",
                     lambda st=strategy: _speed(me, st, max_ratio, device)))

@@ -52,7 +52,7 @@ def _train(model: nn.Module, batches: list[Any], rank: int, n: int) -> list[floa
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -122,3 +122,68 @@ def fsdp_vs_local(rank: int, n: int, how: str = "cuda") -> str:
         else:
             assert shard.device == grad.device == device, (shard.device, grad.device)
     return "ok"
+
+
+def _hooked(device: torch.device, hook: str) -> tuple[Any, Any]:
+    """torch's (state, hook) pair for ``hook``: fp16 / bf16 compression or PowerSGD (rank 1,
+    compressing from the second step, with error feedback and warm start)."""
+    from ringlet.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from ringlet.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+    if hook == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    if hook == "bf16":
+        return None, default_hooks.bf16_compress_hook
+    state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                             start_powerSGD_iter=2, min_compression_rate=0.5, random_seed=7)
+    return state, ps.powerSGD_hook
+
+
+def hooks_vs_cpu(rank: int, n: int, hook: str, device_type: str = "cuda") -> list[float]:
+    """DDP with a comm hook on ``device_type`` against the same DDP and hook on the CPU, in the
+    same group (its CPU tensors travel on ringlet's transport): the hooks are device-blind, so
+    the losses agree to rounding.  Returns the device's losses."""
+    runs = []
+    for device in (torch.device(device_type, 0) if device_type == "cuda" else
+                   torch.device("cpu"), torch.device("cpu")):
+        ids = [0] if device.type == "cuda" else None
+        ddp = DistributedDataParallel(_model(device), device_ids=ids)
+        ddp.register_comm_hook(*_hooked(device, hook))
+        runs.append(_train(ddp, _batches(n, device), rank, n))
+    torch.testing.assert_close(torch.tensor(runs[0]), torch.tensor(runs[1]), rtol=1e-3, atol=1e-4,
+                               msg=f"rank {rank}: {hook} on {device_type} vs CPU")
+    return runs[0]
+
+
+def sync_batchnorm_vs_local(rank: int, n: int, device_type: str = "cuda") -> str:
+    """SyncBatchNorm over each rank's rows equals BatchNorm over the whole batch: outputs, input
+    gradients, running statistics and weight gradients (the latter summed by DDP-less
+    all-reduce, as a data-parallel step would)."""
+    from ringlet.nn import SyncBatchNorm
+
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4 * n, 3, 5, generator=g).to(device)
+    local = nn.BatchNorm1d(3).to(device)
+    sync = SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(local))
+    mine = x[4 * rank:4 * rank + 4].clone().requires_grad_()
+    whole = x.clone().requires_grad_()
+    out = sync(mine)
+    want = local(whole)
+    torch.testing.assert_close(out, want[4 * rank:4 * rank + 4], rtol=1e-4, atol=1e-5)
+    (out * out).sum().backward()
+    (want * want).sum().backward()
+    torch.testing.assert_close(mine.grad, whole.grad[4 * rank:4 * rank + 4], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sync.running_mean, local.running_mean, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(sync.running_var, local.running_var, rtol=1e-4, atol=1e-6)
+    grad = sync.weight.grad.clone()
+    dist.all_reduce(grad)
+    torch.testing.assert_close(grad, local.weight.grad, rtol=1e-4, atol=1e-5)
+    return "ok"
+
+
+def cpu_twins(rank: int, n: int) -> list[list[float]]:
+    """``hooks_vs_cpu`` for each hook and ``sync_batchnorm_vs_local`` with CPU tensors."""
+    if sync_batchnorm_vs_local(rank, n, "cpu") != "ok":
+        raise AssertionError("sync_batchnorm_vs_local")
+    return [hooks_vs_cpu(rank, n, h, "cpu") for h in ("fp16", "bf16", "powersgd")]

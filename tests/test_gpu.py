@@ -433,6 +433,33 @@ def test_fully_shard_one_rank_on_cuda_matches_single_process(how: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.timeout(90)
+def test_the_cuda_hook_and_batchnorm_workers_hold_on_the_cpu() -> None:
+    """The bodies of the two CUDA tests below, run with CPU tensors on 2 processes: the
+    comparisons themselves hold (on a GPU only the device changes)."""
+    for losses in raise_first(run_world(2, _gpu_workers.cpu_twins, backend="gloo", timeout=80)):
+        assert len(losses) == 3 and all(len(run) == _gpu_workers.STEPS for run in losses)
+
+
+@NEEDS_CUDA
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend, n", [("nccl", 1), ("gloo", 2)], ids=["nccl-1", "staged-2"])
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
+def test_ddp_comm_hooks_on_cuda_match_the_cpu(backend: str, n: int, hook: str) -> None:
+    for losses in raise_first(run_world(n, _gpu_workers.hooks_vs_cpu, hook, backend=backend,
+                                        timeout=140)):
+        assert losses[-1] < losses[0], losses
+
+
+@NEEDS_CUDA
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend, n", [("nccl", 1), ("gloo", 2)], ids=["nccl-1", "staged-2"])
+def test_sync_batchnorm_on_cuda_matches_batchnorm_over_the_whole_batch(backend: str,
+                                                                       n: int) -> None:
+    assert raise_first(run_world(n, _gpu_workers.sync_batchnorm_vs_local, backend=backend,
+                                 timeout=110)) == ["ok"] * n
+
+
 @NEEDS_CUDA
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("backend, n", [("nccl", 1), ("gloo", 2)], ids=["nccl-1", "staged-2"])
@@ -495,4 +522,7 @@ def test_gpu_check_parses_and_lists_the_rows_of_issue_20() -> None:
         "fully_shard 10 steps staged 2 ranks vs single process",
         "fully_shard offload 10 steps nccl 1 rank vs single process",
         "fully_shard offload 10 steps staged 2 ranks vs single process",
+        "tensor parallel 10 steps nccl 1 rank vs single process",
+        "tensor parallel 10 steps staged 2 ranks vs single process",
+        "fully_shard + tensor parallel 2x2 10 steps staged 4 ranks vs single process",
         "speed ddp vs torch (1 rank nccl)", "speed fully_shard vs torch (1 rank nccl)"]

@@ -75,7 +75,7 @@ def test_the_rehearsal_has_the_gpu_rows_and_names() -> None:
     me = _script()
     gpu = [name for name, _ in me.rows(me, 3, 1.05)]
     cpu = [name for name, _ in me.rows(me, 3, 1.05, "cpu")]
-    assert cpu == gpu and len(gpu) == 12
+    assert cpu == gpu and len(gpu) == 15
 
 
 def test_the_device_helpers_make_the_cuda_calls_on_a_gpu(monkeypatch) -> None:
@@ -88,7 +88,7 @@ def test_the_device_helpers_make_the_cuda_calls_on_a_gpu(monkeypatch) -> None:
     me._sync("cuda:0")
     me._slow_kernel("cuda:0")
     assert me._device_name("cuda:0") == "H"
-    assert calls == [("synchronize",), ("_sleep", 50_000_000),
+    assert calls == [("synchronize",), ("_sleep", 200_000_000),
                      ("get_device_name", torch.device("cuda", 0))]
     me._sync("cpu")
     assert me._device_name("cpu").startswith("CPU") and len(calls) == 3
