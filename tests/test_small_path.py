@@ -113,3 +113,23 @@ def test_dense_agrees_with_tensor_and_plain() -> None:
         got, flat = checks.dense(t, "op", "tensor")
         assert got is checks.tensor(t, "op", "tensor") or type(t) is torch.nn.Parameter
         assert flat == checks.plain(got), (t.shape, t.stride())
+
+
+def _one_rank_async(rank: int, n: int) -> list[Any]:
+    """A one-rank group's asynchronous ops run on the caller's thread: complete when returned,
+    with the right values, futures and errors as on the communication thread."""
+    t = torch.full((5,), 3.0)
+    work = dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5), async_op=True)
+    done_at_return = work.is_completed()
+    fut = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True).get_future()
+    out = torch.empty(5)
+    gathered = dist.all_gather_into_tensor(out, t, async_op=True)
+    sub = dist.new_group([0])
+    on_sub = dist.broadcast(t, src=0, group=sub, async_op=True)
+    return [done_at_return, work.wait(), t.tolist(), fut.done(), gathered.is_completed(),
+            out.tolist(), on_sub.is_completed()]
+
+
+def test_one_rank_async_ops_complete_on_the_callers_thread() -> None:
+    [got] = run_threads(_one_rank_async, 1)
+    assert got == [True, True, [1.5] * 5, True, True, [1.5] * 5, True]
