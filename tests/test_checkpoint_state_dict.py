@@ -14,6 +14,7 @@ from torch import nn
 import ringlet.distributed.checkpoint as dcp
 from ringlet.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    _init_optim_state,
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
@@ -243,3 +244,27 @@ def test_no_process_group_and_unsupported_options(tmp_path) -> None:
         StateDictOptions(broadcast_from_rank0=True)
     with pytest.raises(RuntimeError, match=r"missing keys \['count'\]"):
         set_model_state_dict(net2, {k: v for k, v in net.state_dict().items() if k != "count"})
+
+
+def test_init_optim_state_matches_torchs_private_helper() -> None:
+    """pytorch/examples' FSDP2 checkpointer imports ``_init_optim_state`` from this module."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state as torch_init
+
+    states = []
+    for init in (_init_optim_state, torch_init):
+        net = _net(0)
+        opt = torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.5)
+        init(opt)
+        assert all(torch.equal(p, q) for p, q in zip(net.parameters(), _net(0).parameters()))
+        assert all(p.grad is None for p in net.parameters())
+        assert opt.param_groups[0]["lr"] == 0.1
+        states.append(opt.state_dict()["state"])
+    ours, theirs = states
+    assert ours.keys() == theirs.keys() == {0, 1, 2, 3}
+    assert all(torch.equal(ours[i][k], theirs[i][k]) for i in ours for k in theirs[i])
+    # a gradient is present: both leave the optimizer alone (the coming step creates its state)
+    net = _net(0)
+    net(torch.ones(1, 5)).sum().backward()
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    _init_optim_state(opt)
+    assert not opt.state

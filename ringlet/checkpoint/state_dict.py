@@ -193,6 +193,26 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: Any, optim_state_dict
     _optim_sd.set_(model, _optimizers(optimizers), optim_state_dict, opts)
 
 
+def _init_optim_state(optim: torch.optim.Optimizer) -> None:
+    """Create ``optim``'s state (Adam's ``exp_avg``, ``step``, ...) without moving a parameter.
+
+    torch's private helper of this name, kept under it because published scripts import it
+    (pytorch/examples' FSDP2 checkpointer builds a sharded optimizer state dict to fill from
+    a full one).  As torch's: nothing happens when the optimizer has state already or a
+    parameter holds a gradient (a step is coming that creates it); otherwise one step with
+    zero gradients and learning rate 0, after which the gradients are ``None`` again.
+
+    Example::
+
+        _init_optim_state(optim)
+        state = optim.state_dict()["state"]      # one entry per parameter, ready to fill
+    """
+    params = [p for group in optim.param_groups for p in group["params"]]
+    if optim.state or any(p.grad is not None for p in params):
+        return
+    _optim_sd.init_state(optim)
+
+
 def get_state_dict(model: nn.Module, optimizers: Any, *, submodules: Any = None,
                    options: StateDictOptions | None = None,
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
