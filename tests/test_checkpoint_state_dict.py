@@ -268,3 +268,23 @@ def test_init_optim_state_matches_torchs_private_helper() -> None:
     opt = torch.optim.Adam(net.parameters(), lr=0.1)
     _init_optim_state(opt)
     assert not opt.state
+
+
+
+def _load_into_meta(rank: int, world: int) -> list:
+    """A model built on meta loads a full state dict broadcast from rank 0 into tensors of its
+    own, as torch's does (copy_ into meta would be a silent no-op)."""
+    full = _net(3).state_dict()
+    with torch.device("meta"):
+        net = Net()
+    set_model_state_dict(net, full if rank == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    rows = [(v.device.type, torch.equal(v, full[k]),
+             v.untyped_storage().data_ptr() != full[k].untyped_storage().data_ptr())
+            for k, v in net.state_dict().items()]
+    return rows + [all(p.requires_grad for p in net.parameters())]
+
+
+def test_full_state_dict_loads_into_a_meta_model() -> None:
+    for out in run_threads(_load_into_meta, 2):
+        assert out == [("cpu", True, True)] * 5 + [True], out

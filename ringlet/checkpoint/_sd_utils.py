@@ -76,7 +76,10 @@ def shard_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     local = full.detach()
     for d, (o, n) in enumerate(zip(box.offsets, box.sizes, strict=True)):
         local = local.narrow(d, o, n)
-    local = local.to(device=like.to_local().device, copy=True).contiguous()
+    device = like.to_local().device
+    if device.type == "meta":      # a model built on meta: the shard stays where the data is
+        device = full.device
+    local = local.to(device=device, copy=True).contiguous()
     return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape,
                               stride=like.stride())
 

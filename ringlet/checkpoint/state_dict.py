@@ -136,6 +136,9 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
     """Load ``model_state_dict`` (clean FQNs; sharded, or full with
     ``full_state_dict``) into ``model``.
 
+    With ``full_state_dict``, a model built on the meta device takes copies of the loaded
+    tensors as its own (``load_state_dict(..., assign=True)``), as torch's does.
+
     Returns:
         ``_IncompatibleKeys(missing_keys, unexpected_keys)`` like ``nn.Module.load_state_dict``.
 
@@ -159,8 +162,16 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
     if opts.strict and (missing or unexpected):
         raise RuntimeError(f"set_model_state_dict: missing keys {missing}, "
                            f"unexpected keys {unexpected}")
+    # A model built on the meta device has no storage to copy a full state dict into (copy_
+    # would be a silent no-op): as torch does, the loaded tensors become the model's own
+    # (assign), as copies, so that the model never aliases the caller's state dict.
+    assign = opts.full_state_dict and any(
+        v.is_meta for _, v in entries.values() if isinstance(v, torch.Tensor))
+    if assign:
+        renamed = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                   for k, v in renamed.items()}
     with torch.no_grad():
-        model.load_state_dict(renamed, strict=False)
+        model.load_state_dict(renamed, strict=False, assign=assign)
     return _IncompatibleKeys(missing, unexpected)
 
 
