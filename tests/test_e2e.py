@@ -103,3 +103,44 @@ def test_launcher_reports_the_failing_rank_of_a_collective_job(tmp_path) -> None
     assert out.returncode != 0
     text = out.stdout + out.stderr
     assert "boom at step 3" in text and "rank 1" in text
+
+
+TP_SCRIPT = textwrap.dedent('''
+    # As torch's tensor-parallel examples do: no init_process_group, the mesh joins the job.
+    import json, sys
+    import torch
+    from torch import nn
+    import ringlet.distributed as dist
+    from ringlet.distributed.device_mesh import init_device_mesh
+    from ringlet.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                     parallelize_module)
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    with torch.device("meta"):                     # deferred init: no data moves
+        lazy = parallelize_module(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)),
+                                  mesh, plan)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    model = parallelize_module(__import__("copy").deepcopy(ref), mesh, plan)
+    x = torch.arange(12.0).view(3, 4) / 12
+    out = {"backend": dist.get_backend(), "lazy": list(lazy[0].weight.to_local().shape),
+           "lazy_device": str(lazy[0].weight.device),
+           "diff": float((model(x) - ref(x)).abs().max())}
+    with open(sys.argv[1] + f".{dist.get_rank()}", "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+''')
+
+
+@pytest.mark.timeout(120)
+def test_a_tensor_parallel_script_without_init_process_group(tmp_path) -> None:
+    script = tmp_path / "tp.py"
+    script.write_text(TP_SCRIPT)
+    got = _run([sys.executable, "-m", "ringlet.launcher.run", "--nproc-per-node", "2",
+                str(script), str(tmp_path / "out")])
+    assert got.returncode == 0, got.stdout + got.stderr
+    for rank in range(2):
+        have = json.loads((tmp_path / f"out.{rank}").read_text())
+        assert have["lazy"] == [3, 4] and have["lazy_device"] == "meta", have
+        assert have["diff"] < 1e-6 and have["backend"] == "shm", have

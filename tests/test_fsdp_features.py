@@ -17,6 +17,7 @@ from _fsdp_workers import (
     make_opt,
     shard_model,
 )
+from _workers import seeded
 from torch import nn
 
 import ringlet.distributed as dist
@@ -349,6 +350,38 @@ def _state_dict(rank: int, world: int) -> tuple[bool, float, float, float, bool]
 def test_state_dict_round_trip_with_dtensors_full_tensors_and_assign() -> None:
     for ok, moved, a, b, trained in run_threads(_state_dict, 2):
         assert ok and moved > 0 and a == 0 and b == 0 and trained
+
+
+def _meta_resume(rank: int, world: int, how: str) -> tuple[str, float, list[float]]:
+    """A model built on meta, sharded, then given its values by assignment (the resume path of
+    torch's FSDP2 example): it trains like the same model built with those values."""
+    from ringlet.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from ringlet.distributed.tensor import distribute_tensor
+
+    ref = seeded(0, lambda: nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)))
+    full = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    fully_shard(model[0])
+    fully_shard(model)
+    if how == "assign":
+        mesh, pls = model[0].weight.device_mesh, model[0].weight.placements
+        sd = {k: nn.Parameter(distribute_tensor(v, mesh, pls)) for k, v in full.items()}
+        model.load_state_dict(sd, assign=True)
+    else:
+        set_model_state_dict(model, full if rank == 0 else {}, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+    x = torch.arange(8.0).view(2, 4) / 8
+    got, want = model(x), ref(x)
+    got.sum().backward()
+    grads = [float(p.grad.full_tensor().abs().sum()) for p in model.parameters()]
+    return str(model[0].weight.to_local().device), float((got - want).abs().max()), grads
+
+
+@pytest.mark.parametrize("how", ["assign", "set_model_state_dict"])
+def test_a_model_built_on_meta_takes_assigned_values(how: str) -> None:
+    for device, diff, grads in run_threads(_meta_resume, 2, how):
+        assert device == "cpu" and diff == 0.0 and all(g > 0 for g in grads), (device, diff)
 
 
 def _meta_init(rank: int, world: int) -> tuple[bool, float, float]:

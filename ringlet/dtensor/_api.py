@@ -370,7 +370,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
         raise ValueError(f"distribute_tensor: rank {mesh.get_rank()} is not part of {mesh!r}")
     local = on_mesh_device(tensor.detach(), mesh)
     fresh = local.device != tensor.device     # local is a buffer of our own (a copy, a broadcast)
-    if src_data_rank is not None:
+    if src_data_rank is not None and not local.is_meta:   # meta: no data to agree on
         from ringlet.dtensor import _comm
 
         for axis in range(mesh.ndim):

@@ -18,6 +18,7 @@ that care about order map mesh coordinates to group ranks with
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ class DeviceMesh:
     """An n-d mesh of global ranks; every axis has a process group per line of ranks.
 
     Must be built by every rank of the world, in the same order (see [Note: mesh groups]).
+    A process not in a job yet joins it first (``init_process_group()``, as torch's meshes do).
 
     Args:
         device_type: ``"cpu"`` (``"cuda"`` only where ``torch.cuda.is_available()``).
@@ -55,9 +57,7 @@ class DeviceMesh:
     def __init__(self, device_type: str, mesh: Any, *,
                  mesh_dim_names: tuple[str, ...] | None = None, _init_backend: bool = True) -> None:
         _check_device_type(device_type)
-        w = _world.current_world()
-        if w is None:  # pragma: no cover - current_world raised
-            raise AssertionError("no world")
+        w = _joined_world(device_type)
         ranks = _as_rank_tensor(mesh, w.world_size)
         names = _check_names(mesh_dim_names, ranks.dim())
         self._setup(device_type, ranks, names, root=None,
@@ -325,15 +325,30 @@ def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...] | list[int], 
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))   # 4 ranks
     """
-    w = _world.current_world()
-    if w is None:  # pragma: no cover - current_world raised
-        raise AssertionError("no world")
+    _check_device_type(device_type)
+    w = _joined_world(device_type)
     shape = tuple(int(s) for s in mesh_shape)
     if not shape or any(s <= 0 for s in shape) or math.prod(shape) != w.world_size:
         raise ValueError("init_device_mesh: mesh_shape: expected positive sizes whose product is "
                          f"the world size {w.world_size}, got {tuple(mesh_shape)}")
     return DeviceMesh(device_type, torch.arange(w.world_size).reshape(shape),
                       mesh_dim_names=mesh_dim_names)
+
+
+def _joined_world(device_type: str) -> Any:
+    """The default group's world, joining it first if this process has not (torch's meshes do
+    the same): ``init_process_group()`` from the launcher's environment (``env://``), with
+    ``"nccl"`` for a CUDA mesh (CUDA tensors on NCCL, CPU ones on ringlet's transport).  A CUDA
+    mesh also picks this process's GPU, ``LOCAL_RANK`` (else the rank) modulo the GPUs of the
+    host, unless CUDA is already in use here (then the caller chose)."""
+    w = _world.current_world(required=False)
+    if w is None:
+        _world.init_process_group("nccl" if device_type == "cuda" else None)
+        w = _world.current_world()
+    if device_type == "cuda" and not torch.cuda.is_initialized():
+        local = int(os.environ.get("LOCAL_RANK", w.rank))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    return w
 
 
 def compute_device(mesh: Any) -> torch.device:

@@ -215,13 +215,23 @@ class FSDPParamGroup:
         return live
 
     def _sync_registration(self) -> None:
-        """Adopt parameters the user re-registered (``load_state_dict(assign=True)``, setattr)."""
-        for p in self.params:
-            current = p.registered()
-            if current is not p.sharded_param and current is not None:
-                p.adopt(current, self.shard_buffer)
-                p.register(p.sharded_param)
-                self._post_forward_shard = None        # stale: the user set new values
+        """Adopt parameters the user re-registered (``load_state_dict(assign=True)``, setattr).
+
+        A group built on ``meta`` whose every parameter is re-registered with real values (the
+        resume path of a model built on meta: ``load_state_dict(..., assign=True)`` or
+        ``set_model_state_dict(..., full_state_dict=True)``) first gets a real shard buffer on
+        its shard home, as ``to_empty`` would give it, and then takes the values."""
+        changed = [(p, t) for p in self.params
+                   if (t := p.registered()) is not p.sharded_param and t is not None]
+        if (changed and self.shard_buffer.is_meta and len(changed) == len(self.params)
+                and not any(t.is_meta for _, t in changed)):
+            self.shard_buffer = self.home.zeros(self.shard_buffer.numel(), self.shard_buffer.dtype,
+                                                meta=False)
+            self._unsharded = self._unsharded_alias = None
+        for p, current in changed:
+            p.adopt(current, self.shard_buffer)
+            p.register(p.sharded_param)
+            self._post_forward_shard = None            # stale: the user set new values
 
     # -- gradients -------------------------------------------------------------------------
     def post_backward(self) -> None:
