@@ -234,6 +234,8 @@ def _resolve(op: RedOpType, factor: float | None, dtype: torch.dtype, n: int) ->
     else:
         fold = RedOpType(op)
     pre = (1.0 if factor is None else factor) if op == RedOpType.PREMUL_SUM else None
+    if pre is not None and type(pre) in (float, int) and pre == 1:
+        pre = None          # x * 1.0 == x exactly: spare the pass (a one-rank DDP's 1/world)
     post = n if op == RedOpType.AVG and n > 1 and dtype != torch.bool else 1
     return Reduction(RedOpType(op), fold, dtype, pre, post)
 
