@@ -21,6 +21,9 @@ def test_each_op_resolves_to_a_fold_a_pre_scale_and_a_post_scale() -> None:
     assert reduction(RedOpType.AVG, None, torch.float32, 1).post == 1
     pre = reduction(RedOpType.PREMUL_SUM, 0.5, torch.float64, 3)
     assert (pre.fold, pre.pre, pre.post, pre.exact) == (RedOpType.SUM, 0.5, 1, False)
+    one = reduction(RedOpType.PREMUL_SUM, 1.0, torch.float32, 1)       # 1/world of one rank
+    assert (one.fold, one.pre, one.post, one.exact) == (RedOpType.SUM, None, 1, True)
+    assert reduction(RedOpType.PREMUL_SUM, 1.0 - 2 ** -24, torch.float32, 2).pre is not None
     mx = reduction(RedOpType.MAX, None, torch.float32, 2)
     assert mx is reduction(RedOpType.MAX, None, torch.float32, 2)        # looked up, not rebuilt
     assert reduction(avg, None, torch.float64, 9) is avg                  # resolved once, passed on
