@@ -151,6 +151,14 @@ def emit(render: Callable[[bool], str], preamble: Callable[[bool], str],
         print(f"wrote {markdown_path}")
 
 
+def provenance(setup: str) -> str:
+    """One line saying how and where a result was measured: the command, ``setup`` (the run's
+    own parameters), the date, the CPU and torch's version."""
+    info = machine_info()
+    return (f"`{command_line()}` -- {setup}; {info['date']}, {info['cpu']} ({info['nproc']} "
+            f"CPUs), torch {info['torch']}\n")
+
+
 def command_line() -> str:
     """The command as typed, e.g. ``python bench/collectives.py --quick``."""
     return shlex.join(["python", *sys.argv])

@@ -199,14 +199,10 @@ def main() -> int:
                 ["largest tensor's shard, MiB", f"{r['largest_shard'] / mib:.1f}", "", ""]]
         return (common.markdown_table if md else common.text_table)(headers, rows)
 
-    def preamble(md: bool) -> str:
-        info = common.machine_info()
-        return (f"`{common.command_line()}` -- {args.ranks} ranks, {r['held'] / mib:.0f} MiB held "
-                f"per rank, fsync {'off' if args.no_sync else 'on'}; {info['date']}, {info['cpu']} "
-                f"({info['nproc']} CPUs), torch {info['torch']}\n")
-
-    print(preamble(False))
-    common.emit(render, preamble, args.markdown)
+    line = common.provenance(f"{args.ranks} ranks, {r['held'] / mib:.0f} MiB held per rank, "
+                             f"fsync {'off' if args.no_sync else 'on'}")
+    print(line)
+    common.emit(render, lambda md: line, args.markdown)
     return 0
 
 

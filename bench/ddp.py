@@ -88,8 +88,8 @@ class Config:
         if self.loader_workers < 0 or self.loader_ms < 0:
             raise ValueError(f"expected --loader-workers >= 0 and --loader-ms >= 0, got "
                              f"{self.loader_workers}, {self.loader_ms}")
-        if self.ranks < 2:
-            raise ValueError(f"expected --ranks >= 2, got {self.ranks}")
+        if self.ranks < 1:
+            raise ValueError(f"expected --ranks >= 1, got {self.ranks}")
         bad = [m for m in self.models if m not in MODELS]
         if bad or not self.models:
             raise ValueError(f"expected --models from {','.join(MODELS)}, got "

@@ -72,8 +72,8 @@ class Config:
     markdown: str | None = None
 
     def __post_init__(self) -> None:
-        if self.ranks < 2:
-            raise ValueError(f"expected --ranks >= 2, got {self.ranks}")
+        if self.ranks < 1:
+            raise ValueError(f"expected --ranks >= 1, got {self.ranks}")
         if self.steps < 1 or self.warmup < 0 or self.rounds < 1 or self.batch < 1:
             raise ValueError("expected --steps >= 1, --warmup >= 0, --rounds >= 1, --batch >= 1, "
                              f"got {self.steps}, {self.warmup}, {self.rounds}, {self.batch}")
