@@ -26,6 +26,7 @@ from torch import nn
 
 import ringlet.distributed as dist
 from ringlet.c10d import _cuda
+from ringlet.c10d.work import Work
 from ringlet.errors import DistBackendError
 from ringlet.nn.parallel import DistributedDataParallel
 from ringlet.parallel.ddp._cuda import aux_device, move_to, plan_devices
@@ -223,7 +224,10 @@ def test_staged_async_records_at_issue_and_runs_later_after_the_event(fake_gpu: 
     rec = fake_gpu(())
     gate = threading.Event()
     pg = dist.group.WORLD
-    blocker = pg.run(lambda: gate.wait(5), _ctx("barrier"), None, async_op=True)  # holds the queue
+    # holds the communication thread's queue (a one-rank group runs an async op inline only
+    # when nothing is queued)
+    blocker = Work(op="blocker")
+    pg._executor.submit(lambda: gate.wait(5), blocker)
     try:
         work = dist.all_reduce(torch.empty(4, device=GPU), async_op=True)
         assert rec.log == [("record", "main", "E0"), ("new_stream", "cpu")]   # nothing ran yet
