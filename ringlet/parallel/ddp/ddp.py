@@ -130,6 +130,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._divide_by_initial_world_size = True
         self._ignore = ignore
         self._all_params = [p for _, p in named_params]
+        # Where the buffers live (module, name): found once, as torch's DDP does; the tensors
+        # are read afresh each time (module.to() / _apply() replace them).
+        self._buffer_slots = [(f"{prefix}.{name}" if prefix else name, mod, name)
+                              for prefix, mod in module.named_modules()
+                              for name in mod._buffers
+                              if (f"{prefix}.{name}" if prefix else name) not in ignore]
 
         pg = self.process_group
         with traced("DistributedDataParallel.__init__"):
@@ -197,8 +203,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         return join_work
 
     def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        # Read afresh each time: module.to() / _apply() replace buffer tensors.
-        return [(n, b) for n, b in self.module.named_buffers() if n not in self._ignore]
+        """The module's buffers (each tensor once, as ``named_buffers``), read afresh."""
+        out: list[tuple[str, torch.Tensor]] = []
+        seen: set[int] = set()
+        for fqn, mod, name in self._buffer_slots:
+            b = mod._buffers.get(name)
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                out.append((fqn, b))
+        return out
 
     def _sync_buffers(self, src: int, what: str) -> None:
         """Broadcast the buffers from group rank ``src``.
