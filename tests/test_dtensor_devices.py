@@ -124,3 +124,15 @@ def test_parallelize_module_moves_a_cpu_model_to_the_mesh_device() -> None:
         out = net.up(torch.ones(3, 4))                      # a CPU input goes to the mesh device
         assert out.device == META and out.shape == (3, 6)
     _on_one_rank(body)
+
+
+def test_wrap_local_leaves_a_piece_where_it_lives() -> None:
+    """fully_shard's offloaded shards are CPU pieces of a CUDA mesh's DTensors (and a checkpoint
+    loads into them): the internal wrapper must not move them, unlike ``from_local``."""
+    from ringlet.dtensor._api import wrap_local
+
+    def body() -> None:
+        x = torch.ones(2, 3)
+        dt = wrap_local(x, _meta_mesh(), [Shard(0)], shape=(2, 3), stride=(3, 1))
+        assert dt.to_local().data_ptr() == x.data_ptr() and dt.shape == (2, 3)
+    _on_one_rank(body)

@@ -93,7 +93,9 @@ def _local(p: Any) -> torch.Tensor:
     return p.to_local()
 
 
-def _offloaded(rank: int, n: int) -> dict[str, Any]:
+def _offloaded(rank: int, n: int, gpu_mesh: bool = False) -> dict[str, Any]:
+    """``gpu_mesh``: the mesh then says it computes on the stand-in GPU too (as a CUDA mesh
+    does), so the sharded DTensors' mesh and their offloaded CPU shards differ in device."""
     model = _model()
     before = [_shard(p.detach(), rank, n) for p in model.parameters()]
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -102,6 +104,9 @@ def _offloaded(rank: int, n: int) -> dict[str, Any]:
         fully_shard(layer, mp_policy=mp, offload_policy=off)
     fully_shard(model, mp_policy=mp, offload_policy=off)
     state = model[0]._get_fsdp_state()
+    if gpu_mesh:
+        state.group.mesh_info.mesh._device_type = "meta"
+        model.float()          # module._apply rebuilds the sharded parameters on that mesh
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = {"home": repr(state.group.home), "buffer": model.scale.device,
            "shards": {_local(p).device for p in model.parameters()}}
@@ -120,9 +125,10 @@ def _shard(t: torch.Tensor, rank: int, n: int) -> torch.Tensor:
     return t.chunk(n)[rank].clone()
 
 
+@pytest.mark.parametrize("gpu_mesh", [False, True], ids=["cpu-mesh", "gpu-mesh"])
 def test_offloaded_shards_stay_on_the_cpu_and_collectives_run_on_the_gpu(
-        stand_in_gpu: dict[str, list[Any]]) -> None:
-    got = run_threads(_offloaded, 2)
+        stand_in_gpu: dict[str, list[Any]], gpu_mesh: bool) -> None:
+    got = run_threads(_offloaded, 2, gpu_mesh)
     for r in got:
         assert r["home"] == "ShardHome(compute meta, shards offloaded to CPU)"
         assert r["shards"] == {torch.device("cpu")} and r["buffer"] == GPU

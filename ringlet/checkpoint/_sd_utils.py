@@ -24,6 +24,7 @@ from ringlet.checkpoint._flatten import Path, decode_value, encode_value, flatte
 from ringlet.checkpoint._local import load_piece
 from ringlet.checkpoint._metadata import DTYPES, dtype_name
 from ringlet.dtensor import DTensor
+from ringlet.dtensor._api import wrap_local
 from ringlet.parallel.ddp import DistributedDataParallel
 
 __all__ = ["broadcast_leaves", "clean_fqn", "global_rank", "param_fqns", "shard_like", "to_full"]
@@ -80,8 +81,8 @@ def shard_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     if device.type == "meta":      # a model built on meta: the shard stays where the data is
         device = full.device
     local = local.to(device=device, copy=True).contiguous()
-    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape,
-                              stride=like.stride())
+    return wrap_local(local, like.device_mesh, like.placements, shape=like.shape,
+                      stride=like.stride())
 
 
 def broadcast_leaves(tree: dict[str, Any] | None) -> Iterator[tuple[Path, Any]]:

@@ -32,7 +32,7 @@ from ringlet.dtensor.placements import Partial, Placement, Replicate, Shard
 from ringlet.mesh import DeviceMesh
 from ringlet.mesh.device_mesh import compute_device
 
-__all__ = ["DTensor", "default_mesh", "distribute_tensor", "make_dtensor"]
+__all__ = ["DTensor", "default_mesh", "distribute_tensor", "make_dtensor", "wrap_local"]
 
 
 class DTensor(torch.Tensor):
@@ -121,23 +121,9 @@ class DTensor(torch.Tensor):
             dt = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])   # 2 ranks: [4, 4]
         """
         mesh = device_mesh if device_mesh is not None else default_mesh()
-        pls = normalize_placements(placements, mesh, local_tensor.dim(), "DTensor.from_local")
         local_tensor = on_mesh_device(local_tensor, mesh)
-        if shape is None:
-            gshape = list(local_tensor.shape)
-            for axis, p in enumerate(pls):
-                if isinstance(p, Shard):
-                    gshape[p.dim] *= mesh.shape[axis]
-        else:
-            gshape = [int(s) for s in shape]
-        gstride = (tuple(stride) if stride is not None
-                   else _shard_math.strides_like(local_tensor, gshape))
-        spec = DTensorSpec(mesh, pls, tuple(gshape), gstride)
-        if run_check:
-            local_tensor = _check_local(local_tensor, spec)
-        grad_pls = _grad_placements(pls) if grad_placements is None else normalize_placements(
-            grad_placements, mesh, len(gshape), "DTensor.from_local")
-        return _FromLocal.apply(local_tensor, spec, grad_pls)
+        return wrap_local(local_tensor, mesh, placements, run_check=run_check, shape=shape,
+                          stride=stride, grad_placements=grad_placements)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's local tensor (shares storage); its gradient becomes a DTensor with
@@ -258,6 +244,30 @@ def on_mesh_device(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     if t.device.type == mesh.device_type or t.is_meta:
         return t
     return t.to(compute_device(mesh))
+
+
+def wrap_local(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement] | None,
+               *, run_check: bool = False, shape: Sequence[int] | None = None,
+               stride: Sequence[int] | None = None,
+               grad_placements: Sequence[Placement] | None = None) -> DTensor:
+    """:meth:`DTensor.from_local` with ``local`` left on its device: for pieces that live
+    elsewhere than the mesh computes on by design (``fully_shard``'s shards offloaded to the CPU
+    of a CUDA mesh, a checkpoint's values loaded into them)."""
+    pls = normalize_placements(placements, mesh, local.dim(), "DTensor.from_local")
+    if shape is None:
+        gshape = list(local.shape)
+        for axis, p in enumerate(pls):
+            if isinstance(p, Shard):
+                gshape[p.dim] *= mesh.shape[axis]
+    else:
+        gshape = [int(s) for s in shape]
+    gstride = tuple(stride) if stride is not None else _shard_math.strides_like(local, gshape)
+    spec = DTensorSpec(mesh, pls, tuple(gshape), gstride)
+    if run_check:
+        local = _check_local(local, spec)
+    grad_pls = _grad_placements(pls) if grad_placements is None else normalize_placements(
+        grad_placements, mesh, len(gshape), "DTensor.from_local")
+    return _FromLocal.apply(local, spec, grad_pls)
 
 
 def _grad_placements(pls: Placements) -> Placements:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ringlet.dtensor import DTensor
-from ringlet.dtensor._api import make_dtensor
+from ringlet.dtensor._api import make_dtensor, wrap_local
 from ringlet.parallel.fsdp._mesh_info import MeshInfo
 from ringlet.parallel.fsdp._shard_math import ParamSpec, shard_of
 from ringlet.parallel.fsdp._tp import TPLayout
@@ -107,9 +107,9 @@ class FSDPParam:
         return self.tp.global_stride if self.tp is not None else self.spec.contiguous_stride()
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(local, self.dtensor_mesh, self.dtensor_placements,
-                                  run_check=False, shape=torch.Size(self.global_shape),
-                                  stride=self._global_stride())
+        # where the shard lives: offloaded shards stay on the CPU of a CUDA mesh
+        return wrap_local(local, self.dtensor_mesh, self.dtensor_placements,
+                          shape=torch.Size(self.global_shape), stride=self._global_stride())
 
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """A sharded gradient (hot path: no autograd node, no placement checks)."""
