@@ -125,6 +125,36 @@ def test_no_sync_accumulates_then_syncs(view: bool) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_require_backward_grad_sync_set_before_each_micro_step() -> None:
+    # nanoGPT's accumulation: the flag is assigned directly before every forward (True only on
+    # the last micro step), never through no_sync(); two iterations, so a flag left True by the
+    # first iteration's last micro step must not leak into the next iteration's first.
+    def body(rank: int, n: int) -> dict[str, Any]:
+        net, ref = W.mlp(), W.mlp()
+        ddp = DDP(net)
+        pg = ddp.process_group
+        counts, diffs = [], []
+        for it in range(2):
+            for micro in range(3):
+                ddp.require_backward_grad_sync = micro == 2
+                pg.reset_counts()
+                W.mlp_loss(ddp, rank, 3 * it + micro).backward()
+                counts.append(pg.counts())
+                (sum(W.mlp_loss(ref, r, 3 * it + micro) for r in range(n)) / n).backward()
+            diffs.append(max((p.grad - q.grad).abs().max().item()
+                             for p, q in zip(net.parameters(), ref.parameters())))
+            for p in [*net.parameters(), *ref.parameters()]:
+                p.grad = None
+        return {"diffs": diffs, "counts": counts}
+    for res in run_threads(body, 2):
+        assert max(res["diffs"]) < 1e-12, res["diffs"]
+        # (the second iteration's first forward broadcasts rank 0's bucket order once, as torch's
+        # rebuild after the first iteration does; no gradient is reduced before the last step)
+        syncs = [c.get("all_reduce", 0) for c in res["counts"]]
+        assert syncs[0] == syncs[1] == syncs[3] == syncs[4] == 0 < syncs[2] and syncs[5] > 0, res
+
+
+@pytest.mark.timeout(30)
 def test_comm_hook_sees_grad_buckets_with_local_gradients() -> None:
     def body(rank: int, n: int) -> list[dict[str, Any]]:
         net = W.mlp()
