@@ -166,3 +166,22 @@ def survivors_failed_fast(res: list[Any], survivors: tuple[int, ...], dead: int,
         assert report["elapsed"] < within, report
         got.append(report)
     return got
+
+
+def non_member_warnings(rank: int, n: int) -> list[str]:
+    """Calls on a group this rank is not in: torch's warning for operations, none for queries
+    and context managers."""
+    import warnings
+
+    g = dist.new_group([0, 1])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        t = torch.ones(2)
+        dist.all_reduce(t, group=g)
+        dist.broadcast_object_list([None], src=0, group=g)
+        dist.barrier(group=g)
+        if rank == 2:
+            dist.is_comm_buffer(t, group=g)
+            with dist._coalescing_manager(group=g):
+                pass
+    return [str(w.message) for w in seen if issubclass(w.category, UserWarning)]

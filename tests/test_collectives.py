@@ -195,3 +195,11 @@ def test_object_from_another_runtime_version_is_named() -> None:
             return str(e)
         return "accepted"
     assert "different ringlet version" in run_threads(body, 2)[0]
+
+
+@pytest.mark.timeout(60)
+def test_operations_on_a_group_this_rank_is_not_in_warn_as_torchs() -> None:
+    got = raise_first(run_world(3, _workers.non_member_warnings, timeout=50))
+    assert got[0] == got[1] == []
+    assert got[2] == [f"Running {op} on global rank 2 which does not belong to the given group."
+                      for op in ("all_reduce", "broadcast_object_list", "barrier")]

@@ -17,6 +17,7 @@ Both are thin: what they add to :meth:`ProcessGroup.run` is
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -35,9 +36,13 @@ __all__ = ["flatten_tensors", "launch", "launch_p2p", "resolve"]
 flush_hooks: list[Callable[[ProcessGroup], None]] = []
 
 
-def resolve(group: Any, op: str, holdable: bool = False) -> ProcessGroup | None:
+def resolve(group: Any, op: str, holdable: bool = False,
+            quiet: bool = False) -> ProcessGroup | None:
     """The group of a call (None: this rank is not a member), with the argument checked.
 
+    A call on a group this rank is not in does nothing, and warns as torch does
+    (``UserWarning: Running all_reduce on global rank 2 which does not belong to the given
+    group.``) unless ``quiet`` (queries and context managers that are not operations).
     ``holdable``: the op may be held by an open coalescing block of its group (which then
     must not issue what it holds first)."""
     try:
@@ -45,7 +50,14 @@ def resolve(group: Any, op: str, holdable: bool = False) -> ProcessGroup | None:
     except TypeError:
         raise checks.fail(TypeError, op, "group", "expected a ProcessGroup (from new_group), "
                           f"group.WORLD or None, got {type(group).__name__}") from None
-    if pg is not None and flush_hooks and not holdable:
+    if pg is None:
+        if not quiet:
+            from ringlet.c10d.world import get_rank
+
+            warnings.warn(f"Running {op} on global rank {get_rank()} which does not belong to "
+                          "the given group.", UserWarning, stacklevel=3)
+        return None
+    if flush_hooks and not holdable:
         for hook in flush_hooks:
             hook(pg)
     return pg

@@ -68,7 +68,7 @@ def comm_buffer(shape: Any, dtype: torch.dtype = torch.float32, group: Any = Non
     if not isinstance(dtype, torch.dtype):
         raise checks.fail(TypeError, "comm_buffer", "dtype",
                           f"expected a torch.dtype, got {dtype!r}")
-    pg = _call.resolve(group, "comm_buffer")
+    pg = _call.resolve(group, "comm_buffer", quiet=True)
     numel = 1
     for d in dims:
         numel *= d
@@ -94,6 +94,6 @@ def _allocate(pg: Any, nbytes: int) -> torch.Tensor | None:
 def is_comm_buffer(tensor: torch.Tensor, group: Any = None) -> bool:
     """Whether ``tensor``'s bytes lie in this rank's buffer heap of ``group`` (see
     :func:`comm_buffer`), i.e. whether its collectives on that group run in place."""
-    pg = _call.resolve(group, "is_comm_buffer")
+    pg = _call.resolve(group, "is_comm_buffer", quiet=True)
     heap = getattr(pg.transport, "heap", None) if pg is not None else None
     return heap is not None and heap.offset_of(tensor) >= 0

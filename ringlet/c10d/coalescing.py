@@ -153,7 +153,7 @@ def _coalescing_manager(group: Any = None, device: Any = None,
         cm.wait()
     """
     cm = _CoalescingManager()
-    pg = _call.resolve(group, "_coalescing_manager")
+    pg = _call.resolve(group, "_coalescing_manager", quiet=True)
     if pg is None:
         yield cm
         return

@@ -34,9 +34,8 @@ from typing import Any
 import torch
 
 from ringlet import _env
+from ringlet.c10d import _call, p2p
 from ringlet.c10d import collectives as C
-from ringlet.c10d import p2p
-from ringlet.c10d.world import resolve_group
 
 __all__ = [
     "MAX_OBJECT_BYTES",
@@ -205,7 +204,7 @@ def _exchange_sizes(pg: Any, obj: Any, data: bytes | None, op: str) -> list[int]
 
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
     """Fill ``object_list`` (length = group size) with every rank's ``obj``."""
-    pg = resolve_group(group)
+    pg = _call.resolve(group, "all_gather_object")
     if pg is None:
         return
     n = pg.size()
@@ -225,7 +224,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
                   group: Any = None, group_dst: int | None = None) -> None:
     """On ``dst``, fill ``object_gather_list`` with every rank's ``obj``."""
-    pg = resolve_group(group)
+    pg = _call.resolve(group, "gather_object")
     if pg is None:
         return
     root = C.peer_rank(pg, dst, group_dst, "gather", "dst")
@@ -249,7 +248,7 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
 def broadcast_object_list(object_list: list[Any], src: int | None = None, group: Any = None,
                           device: Any = None, group_src: int | None = None) -> None:
     """Replace ``object_list``'s entries on every rank with ``src``'s."""
-    pg = resolve_group(group)
+    pg = _call.resolve(group, "broadcast_object_list")
     if pg is None:
         return
     root = C.peer_rank(pg, src, group_src, "broadcast", "src")
@@ -277,7 +276,7 @@ def scatter_object_list(scatter_object_output_list: list[Any],
                         group_src: int | None = None) -> None:
     """Rank ``r`` receives ``scatter_object_input_list[r]`` of ``src`` in
     ``scatter_object_output_list[0]``."""
-    pg = resolve_group(group)
+    pg = _call.resolve(group, "scatter_object_list")
     if pg is None:
         return
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:

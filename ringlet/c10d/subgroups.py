@@ -61,7 +61,7 @@ def split_group(parent_pg: Any = None, split_ranks: list[list[int]] | None = Non
 
         evens_odds = dist.split_group(split_ranks=[[0, 2], [1, 3]])
     """
-    parent = _call.resolve(parent_pg, "split_group")
+    parent = _call.resolve(parent_pg, "split_group", quiet=True)
     if parent is None:
         return None
     splits = _check_splits(split_ranks, parent.size())
