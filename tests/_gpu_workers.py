@@ -124,7 +124,12 @@ def fsdp_vs_local(rank: int, n: int, how: str = "cuda") -> str:
     return "ok"
 
 
-def _hooked(device: torch.device, hook: str) -> tuple[Any, Any]:
+def _device(device_type: str) -> torch.device:
+    """cuda:0 for ``"cuda"`` (every rank shares it), else the CPU."""
+    return torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+
+
+def _hooked(hook: str) -> tuple[Any, Any]:
     """torch's (state, hook) pair for ``hook``: fp16 / bf16 compression or PowerSGD (rank 1,
     compressing from the second step, with error feedback and warm start)."""
     from ringlet.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -144,11 +149,10 @@ def hooks_vs_cpu(rank: int, n: int, hook: str, device_type: str = "cuda") -> lis
     same group (its CPU tensors travel on ringlet's transport): the hooks are device-blind, so
     the losses agree to rounding.  Returns the device's losses."""
     runs = []
-    for device in (torch.device(device_type, 0) if device_type == "cuda" else
-                   torch.device("cpu"), torch.device("cpu")):
+    for device in (_device(device_type), torch.device("cpu")):
         ids = [0] if device.type == "cuda" else None
         ddp = DistributedDataParallel(_model(device), device_ids=ids)
-        ddp.register_comm_hook(*_hooked(device, hook))
+        ddp.register_comm_hook(*_hooked(hook))
         runs.append(_train(ddp, _batches(n, device), rank, n))
     torch.testing.assert_close(torch.tensor(runs[0]), torch.tensor(runs[1]), rtol=1e-3, atol=1e-4,
                                msg=f"rank {rank}: {hook} on {device_type} vs CPU")
@@ -161,7 +165,7 @@ def sync_batchnorm_vs_local(rank: int, n: int, device_type: str = "cuda") -> str
     all-reduce, as a data-parallel step would)."""
     from ringlet.nn import SyncBatchNorm
 
-    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    device = _device(device_type)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4 * n, 3, 5, generator=g).to(device)
     local = nn.BatchNorm1d(3).to(device)

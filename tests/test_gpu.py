@@ -10,10 +10,6 @@ home, backend names) run as they are.  The tests marked ``NEEDS_CUDA`` skip with
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import pathlib
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -493,40 +489,3 @@ def test_tensor_parallel_with_data_parallel_on_cuda_matches_one_process(strategy
         means = [(a + b) / 2 for a, b in zip(dp0["losses"], dp1["losses"])]
         assert means == pytest.approx(dp0["ref_losses"], abs=1e-4)
     assert max(r["param_diff"] for r in res) < 1e-3
-
-
-# --- scripts/gpu_check.py, the GPU acceptance run -------------------------------------------------
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a host without CUDA")
-def test_gpu_check_without_cuda_checks_nothing_and_says_so() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
-                          timeout=60, check=False)
-    assert proc.returncode == 3, proc.stdout + proc.stderr          # neither pass nor failure
-    assert proc.stdout.strip() == "no CUDA device here: nothing checked"
-
-
-def test_gpu_check_parses_and_lists_the_rows_of_issue_20() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True,
-                          timeout=60, check=False)
-    assert proc.returncode == 0 and "--only" in proc.stdout and "--max-ratio" in proc.stdout
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    me = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(me)
-    names = [name for name, _ in me.rows(me, 10, 1.05)]
-    assert names == [
-        "collectives nccl 1 rank", "collectives staged 2 ranks (gloo, shared GPU)",
-        "collectives slow-kernel nccl 1 rank",
-        "collectives slow-kernel staged 2 ranks (gloo, shared GPU)",
-        "ddp 10 steps nccl 1 rank vs single process",
-        "ddp 10 steps staged 2 ranks vs single process",
-        "fully_shard 10 steps nccl 1 rank vs single process",
-        "fully_shard 10 steps staged 2 ranks vs single process",
-        "fully_shard offload 10 steps nccl 1 rank vs single process",
-        "fully_shard offload 10 steps staged 2 ranks vs single process",
-        "tensor parallel 10 steps nccl 1 rank vs single process",
-        "tensor parallel 10 steps staged 2 ranks vs single process",
-        "fully_shard + tensor parallel 2x2 10 steps staged 4 ranks vs single process",
-        "speed ddp vs torch (1 rank nccl)", "speed fully_shard vs torch (1 rank nccl)"]

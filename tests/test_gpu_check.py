@@ -72,10 +72,26 @@ def test_a_failing_row_is_a_fail_line_with_its_whole_report(capsys) -> None:
 
 
 def test_the_rehearsal_has_the_gpu_rows_and_names() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0 and "--only" in proc.stdout and "--max-ratio" in proc.stdout
     me = _script()
-    gpu = [name for name, _ in me.rows(me, 3, 1.05)]
-    cpu = [name for name, _ in me.rows(me, 3, 1.05, "cpu")]
-    assert cpu == gpu and len(gpu) == 15
+    gpu = [name for name, _ in me.rows(me, 10, 1.05)]
+    cpu = [name for name, _ in me.rows(me, 10, 1.05, "cpu")]
+    assert cpu == gpu == [
+        "collectives nccl 1 rank", "collectives staged 2 ranks (gloo, shared GPU)",
+        "collectives slow-kernel nccl 1 rank",
+        "collectives slow-kernel staged 2 ranks (gloo, shared GPU)",
+        "ddp 10 steps nccl 1 rank vs single process",
+        "ddp 10 steps staged 2 ranks vs single process",
+        "fully_shard 10 steps nccl 1 rank vs single process",
+        "fully_shard 10 steps staged 2 ranks vs single process",
+        "fully_shard offload 10 steps nccl 1 rank vs single process",
+        "fully_shard offload 10 steps staged 2 ranks vs single process",
+        "tensor parallel 10 steps nccl 1 rank vs single process",
+        "tensor parallel 10 steps staged 2 ranks vs single process",
+        "fully_shard + tensor parallel 2x2 10 steps staged 4 ranks vs single process",
+        "speed ddp vs torch (1 rank nccl)", "speed fully_shard vs torch (1 rank nccl)"]
 
 
 def test_the_device_helpers_make_the_cuda_calls_on_a_gpu(monkeypatch) -> None:

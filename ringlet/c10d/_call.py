@@ -26,7 +26,7 @@ import torch
 from ringlet.c10d import checks
 from ringlet.c10d.group import ProcessGroup
 from ringlet.c10d.work import Work
-from ringlet.c10d.world import resolve_group
+from ringlet.c10d.world import get_rank, resolve_group
 from ringlet.transport.base import OpContext
 
 __all__ = ["flatten_tensors", "launch", "launch_p2p", "resolve"]
@@ -52,8 +52,6 @@ def resolve(group: Any, op: str, holdable: bool = False,
                           f"group.WORLD or None, got {type(group).__name__}") from None
     if pg is None:
         if not quiet:
-            from ringlet.c10d.world import get_rank
-
             warnings.warn(f"Running {op} on global rank {get_rank()} which does not belong to "
                           "the given group.", UserWarning, stacklevel=3)
         return None

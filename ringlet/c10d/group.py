@@ -167,14 +167,14 @@ class ProcessGroup(TorchGroupMethods):
                 return _cuda.issue(self, fn, ctx, result, async_op, guard, device, inputs)
             fn = _cuda.staged(self, fn, device)
         profiling = torch._C._autograd._profiler_enabled()
-        if not profiling and self._executor.pending == 0:
-            if not async_op:
-                self._call(fn, guard)
-                self._done = ctx.seq
-                return None
-            if self._size == 1:
-                return self._run_alone(fn, ctx, result, guard, device)
+        idle = not profiling and self._executor.pending == 0
+        if idle and not async_op:
+            self._call(fn, guard)
+            self._done = ctx.seq
+            return None
         work = Work(result, op=f"{ctx.op} #{ctx.seq}", bound=self.timeout, device=device)
+        if idle and self._size == 1:
+            return self._run_alone(fn, ctx, work, guard)
         if profiling:
             self._begin_event(f"{self.backend}:{label or op}",
                               result if inputs is None else inputs, work)
@@ -184,13 +184,11 @@ class ProcessGroup(TorchGroupMethods):
         work.wait()
         return None
 
-    def _run_alone(self, fn: Callable[[], None], ctx: OpContext, result: Any, guard: bool,
-                   device: torch.device | None) -> Work:
+    def _run_alone(self, fn: Callable[[], None], ctx: OpContext, work: Work, guard: bool) -> Work:
         """An asynchronous op of a one-rank group: nothing to overlap with (no peer to wait
-        for), so it runs on the caller's thread and its Work is complete when returned, which
+        for), so it runs on the caller's thread and ``work`` is complete when returned, which
         spares the hand-off to the communication thread (~0.1 ms).  An error is the Work's, as
         on that thread (``wait()`` raises it)."""
-        work = Work(result, op=f"{ctx.op} #{ctx.seq}", bound=self.timeout, device=device)
         try:
             self._call(fn, guard)
         except Exception as e:  # noqa: BLE001 - handed to the waiter, as the thread does

@@ -132,10 +132,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._all_params = [p for _, p in named_params]
         # Where the buffers live (module, name): found once, as torch's DDP does; the tensors
         # are read afresh each time (module.to() / _apply() replace them).
-        self._buffer_slots = [(f"{prefix}.{name}" if prefix else name, mod, name)
-                              for prefix, mod in module.named_modules()
-                              for name in mod._buffers
-                              if (f"{prefix}.{name}" if prefix else name) not in ignore]
+        slots = [(f"{prefix}.{name}" if prefix else name, mod, name)
+                 for prefix, mod in module.named_modules() for name in mod._buffers]
+        self._buffer_slots = [s for s in slots if s[0] not in ignore]
 
         pg = self.process_group
         with traced("DistributedDataParallel.__init__"):
