@@ -94,7 +94,8 @@ def fsdp_vs_local(rank: int, n: int, how: str = "cuda") -> str:
 
     ``how``: ``"cuda"`` a CUDA model, the default mesh (a CUDA one); ``"offload"`` the same
     under ``CPUOffloadPolicy`` (shards and grads in pinned CPU memory); ``"cpu-model"`` a CPU
-    model on an explicit CUDA mesh (moved to the GPU as shards).
+    model on an explicit CUDA mesh (moved to the GPU as shards); ``"cpu-default"`` a CPU model
+    and no mesh (the default mesh is a CUDA one whenever CUDA is available, as torch's).
     """
     from ringlet.distributed.device_mesh import init_device_mesh
     from ringlet.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -107,6 +108,8 @@ def fsdp_vs_local(rank: int, n: int, how: str = "cuda") -> str:
         kw["offload_policy"] = CPUOffloadPolicy()
     elif how == "cpu-model":
         sharded, kw["mesh"] = sharded.cpu(), init_device_mesh("cuda", (n,))
+    elif how == "cpu-default":
+        sharded = sharded.cpu()
     for layer in sharded:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, **kw)

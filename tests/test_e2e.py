@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -135,12 +136,42 @@ TP_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.timeout(120)
 def test_a_tensor_parallel_script_without_init_process_group(tmp_path) -> None:
-    script = tmp_path / "tp.py"
-    script.write_text(TP_SCRIPT)
+    for have in _launch_two(tmp_path, TP_SCRIPT):
+        assert have["lazy"] == [3, 4] and have["lazy_device"] == "meta", have
+        assert have["diff"] < 1e-6 and have["backend"] == "shm", have
+
+
+FSDP_SCRIPT = textwrap.dedent('''
+    # As torch's fully_shard does: no init_process_group, the default mesh joins the job.
+    import json, sys
+    import torch
+    from torch import nn
+    import ringlet.distributed as dist
+    from ringlet.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = fully_shard(nn.Linear(4, 2))
+    model(torch.ones(3, 4)).sum().backward()
+    out = {"initialized": dist.is_initialized(), "world": dist.get_world_size(),
+           "mesh": model.weight.device_mesh.device_type,
+           "grad": list(model.weight.grad.to_local().shape)}
+    with open(sys.argv[1] + f".{dist.get_rank()}", "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+''')
+
+
+@pytest.mark.timeout(120)
+def test_a_fully_shard_script_without_init_process_group(tmp_path) -> None:
+    for have in _launch_two(tmp_path, FSDP_SCRIPT):
+        assert have == {"initialized": True, "world": 2, "mesh": "cpu", "grad": [1, 4]}, have
+
+
+def _launch_two(tmp_path: Any, text: str) -> list[dict[str, Any]]:
+    """Run ``text`` under ``ringlet-run`` on 2 processes; each rank's JSON ``out.<rank>``."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
     got = _run([sys.executable, "-m", "ringlet.launcher.run", "--nproc-per-node", "2",
                 str(script), str(tmp_path / "out")])
     assert got.returncode == 0, got.stdout + got.stderr
-    for rank in range(2):
-        have = json.loads((tmp_path / f"out.{rank}").read_text())
-        assert have["lazy"] == [3, 4] and have["lazy_device"] == "meta", have
-        assert have["diff"] < 1e-6 and have["backend"] == "shm", have
+    return [json.loads((tmp_path / f"out.{rank}").read_text()) for rank in range(2)]

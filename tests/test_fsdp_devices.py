@@ -231,24 +231,25 @@ def test_the_cpu_path_makes_no_cuda_call(monkeypatch: pytest.MonkeyPatch) -> Non
     assert len(a) == len(b) == 4
 
 
-def test_default_mesh_follows_the_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No mesh: a CUDA mesh only for a model already on CUDA; a CPU model stays on the CPU."""
-    fake = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(
-        device=torch.device("cuda", 0))]))
-    assert _device.default_mesh_type([nn.Linear(2, 2), fake]) == "cuda"
-    assert _device.default_mesh_type([nn.Linear(2, 2)]) == "cpu"
-    asked: list[str] = []
+def test_default_mesh_is_cuda_when_cuda_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No mesh: torch's rule, a CUDA mesh whenever CUDA is available (a CPU model then moves to
+    the GPU), else a CPU one; the mesh spans the default world."""
+    asked: list[tuple[str, tuple[int, ...]]] = []
 
     def init_device_mesh(kind: str, shape: tuple[int, ...]) -> Any:
-        asked.append(kind)
-        return DeviceMesh("cpu", list(range(shape[0])))
+        asked.append((kind, shape))
+        return DeviceMesh("cpu", [0])
+
+    monkeypatch.setattr(_mesh_info, "init_device_mesh", init_device_mesh)
+    monkeypatch.setattr(_mesh_info, "joined_world", lambda kind: types.SimpleNamespace(
+        world_size=3))
 
     def resolve(rank: int, n: int) -> None:
-        _mesh_info.resolve_mesh(None, [nn.Linear(2, 2)])
-        _mesh_info.resolve_mesh(None, [fake])
-    monkeypatch.setattr(_mesh_info, "init_device_mesh", init_device_mesh)
+        _mesh_info.resolve_mesh(None)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        _mesh_info.resolve_mesh(None)
     run_threads(resolve, 1)
-    assert asked == ["cpu", "cuda"]
+    assert asked == [("cpu", (3,)), ("cuda", (3,))]
 
 
 def test_a_mesh_of_another_device_type_is_refused() -> None:

@@ -365,8 +365,8 @@ def test_shard_home_offloads_only_from_a_gpu() -> None:
     assert moved.home == torch.device("cpu")
 
 
-def test_default_mesh_type_and_compute_device_on_cpu() -> None:
-    assert default_mesh_type([nn.Linear(2, 2), nn.Linear(2, 2, device=META)]) == "cpu"
+def test_default_mesh_type_and_compute_device() -> None:
+    assert default_mesh_type() == ("cuda" if torch.cuda.is_available() else "cpu")
     assert compute_device(type("M", (), {"device_type": "cpu"})()) == torch.device("cpu")
     assert compute_device(object()) == torch.device("cpu")
 
@@ -421,11 +421,11 @@ def test_two_ranks_share_a_gpu_with_gloo_staging() -> None:
 
 @NEEDS_CUDA
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["cuda", "offload", "cpu-model"])
+@pytest.mark.parametrize("how", ["cuda", "offload", "cpu-model", "cpu-default"])
 def test_fully_shard_one_rank_on_cuda_matches_single_process(how: str) -> None:
     """A CUDA model (default mesh), the same offloaded to pinned CPU memory, a CPU model on a
-    CUDA mesh: the losses of the same training in one process (tests/test_fsdp_devices.py checks
-    the device decisions without a GPU)."""
+    CUDA mesh or on the default mesh (a CUDA one, as torch's): the losses of the same training
+    in one process (tests/test_fsdp_devices.py checks the device decisions without a GPU)."""
     dist.init_process_group("nccl", store=HashStore(), rank=0, world_size=1)
     try:
         assert _gpu_workers.fsdp_vs_local(0, 1, how) == "ok"

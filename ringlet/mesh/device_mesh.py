@@ -57,7 +57,7 @@ class DeviceMesh:
     def __init__(self, device_type: str, mesh: Any, *,
                  mesh_dim_names: tuple[str, ...] | None = None, _init_backend: bool = True) -> None:
         _check_device_type(device_type)
-        w = _joined_world(device_type)
+        w = joined_world(device_type)
         ranks = _as_rank_tensor(mesh, w.world_size)
         names = _check_names(mesh_dim_names, ranks.dim())
         self._setup(device_type, ranks, names, root=None,
@@ -326,7 +326,7 @@ def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...] | list[int], 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))   # 4 ranks
     """
     _check_device_type(device_type)
-    w = _joined_world(device_type)
+    w = joined_world(device_type)
     shape = tuple(int(s) for s in mesh_shape)
     if not shape or any(s <= 0 for s in shape) or math.prod(shape) != w.world_size:
         raise ValueError("init_device_mesh: mesh_shape: expected positive sizes whose product is "
@@ -335,7 +335,7 @@ def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...] | list[int], 
                       mesh_dim_names=mesh_dim_names)
 
 
-def _joined_world(device_type: str) -> Any:
+def joined_world(device_type: str) -> Any:
     """The default group's world, joining it first if this process has not (torch's meshes do
     the same): ``init_process_group()`` from the launcher's environment (``env://``), with
     ``"nccl"`` for a CUDA mesh (CUDA tensors on NCCL, CPU ones on ringlet's transport).  A CUDA

@@ -60,8 +60,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: Any = None,
         mesh: a 1-d DeviceMesh (FSDP) or 2-d (HSDP: replicate axis 0, shard axis 1), of
             device type ``"cpu"`` or ``"cuda"`` (computing on the current CUDA device; CPU
             parameters are copied there shard by shard, buffers moved); ``None``: a 1-d mesh
-            over the default world, ``"cuda"`` if the parameters already are on CUDA, else
-            ``"cpu"``.
+            over the default world (joining it first if needed), ``"cuda"`` if CUDA is
+            available, else ``"cpu"`` (as torch: a CPU model moves to the GPU).
         reshard_after_forward: ``True`` frees the unsharded parameters after forward (re-gathered
             in backward); ``False`` keeps them; ``None`` (default): ``True`` except for the root;
             an int is a world size to reshard to after forward: 1 means False, the shard world
@@ -99,7 +99,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: Any = None,
     """
     modules = _check_modules(module)
     _check_policies(mp_policy, offload_policy)
-    mesh_info = resolve_mesh(mesh, modules)
+    mesh_info = resolve_mesh(mesh)
     group = build_group(modules, mesh_info, mp_policy, shard_placement_fn,
                         set(ignored_params or ()), offload_policy)
     state = FSDPState(modules, group, mp_policy, None, _device.compute_device(mesh_info.mesh))

@@ -7,8 +7,8 @@ reduce-scatter and the collectives live -- and a *shard home*, where the sharded
 
 - the compute device is the mesh's: ``cuda`` means the current CUDA device (as torch's
   ``fully_shard``); a CPU mesh computes on the CPU.  Without a mesh, the default mesh is a CUDA
-  one when the module's parameters already are on CUDA, else a CPU one (torch picks CUDA whenever
-  it is available: ringlet does not move a CPU model to a GPU behind the user's back);
+  one whenever CUDA is available, else a CPU one, as torch's (so a CPU model given to
+  ``fully_shard`` on a GPU host trains on the GPU; pass a ``"cpu"`` mesh to keep it on the CPU);
 - parameters and buffers not on the compute device are moved there (parameters only as their
   shards: ``build_group`` copies this rank's shard of each into the shard buffer), as torch
   does; buffers of submodules that an earlier ``fully_shard`` call manages stay where it put them;
@@ -56,13 +56,10 @@ from ringlet.parallel.fsdp.policies import CPUOffloadPolicy, OffloadPolicy
 __all__ = ["ShardHome", "compute_device", "default_mesh_type", "move_buffers"]
 
 
-def default_mesh_type(modules: Iterable[nn.Module]) -> str:
-    """``"cuda"`` if any parameter of ``modules`` is a CUDA tensor, else ``"cpu"``."""
-    for m in modules:
-        for p in m.parameters():
-            if p.device.type == "cuda":
-                return "cuda"
-    return "cpu"
+def default_mesh_type() -> str:
+    """The device type of fully_shard's default mesh: ``"cuda"`` when CUDA is available, else
+    ``"cpu"`` (torch's rule; ringlet's meshes are CPU or CUDA ones)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def move_buffers(modules: Iterable[nn.Module], device: torch.device) -> None:

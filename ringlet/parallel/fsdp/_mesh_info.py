@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
 from typing import Any
-
-from torch import nn
 
 from ringlet.c10d.group import ProcessGroup
 from ringlet.dtensor import Replicate, Shard
 from ringlet.mesh import DeviceMesh, init_device_mesh
+from ringlet.mesh.device_mesh import joined_world
 from ringlet.parallel.fsdp import _device
 
 __all__ = ["MeshInfo", "resolve_mesh", "subgroups"]
@@ -56,21 +54,20 @@ class MeshInfo:
         return f"MeshInfo({kind}, shard rank {self.shard_rank})"
 
 
-def resolve_mesh(mesh: Any, modules: Iterable[nn.Module] = ()) -> MeshInfo:
+def resolve_mesh(mesh: Any) -> MeshInfo:
     """Build a :class:`MeshInfo` from ``mesh``.
 
-    ``None``: a 1-d mesh over the default world, a ``"cuda"`` one when the parameters of
-    ``modules`` already are on CUDA, else a ``"cpu"`` one ([Note: FSDP devices] in
-    ``_device.py``: a CPU model is not moved to a GPU unasked).
+    ``None``: a 1-d mesh over the default world (joined first if this process has not, as
+    ``init_device_mesh`` does), a ``"cuda"`` one when CUDA is available, else a ``"cpu"`` one
+    ([Note: FSDP devices] in ``_device.py``).
 
     Raises:
         TypeError: ``mesh`` is not a DeviceMesh.
         ValueError: a mesh of more than 2 axes, or a device type other than "cpu" or "cuda".
     """
     if mesh is None:
-        from ringlet.c10d.world import get_world_size
-
-        mesh = init_device_mesh(_device.default_mesh_type(modules), (get_world_size(),))
+        kind = _device.default_mesh_type()
+        mesh = init_device_mesh(kind, (joined_world(kind).world_size,))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError("fully_shard: mesh: expected a DeviceMesh or None, "
                         f"got {type(mesh).__name__}")
