@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ringlet.dtensor import _comm
 from ringlet.dtensor._api import DTensor
 from ringlet.dtensor._opcall import OpCall, broadcast_shapes
 from ringlet.dtensor._ops._common import linearity, plan_pointwise
@@ -21,7 +22,7 @@ from ringlet.dtensor._plan import Plan, register
 from ringlet.dtensor._spec import Placements
 from ringlet.dtensor.placements import Partial, Replicate
 
-__all__ = ["foreach_rule", "pointwise_rule"]
+__all__ = ["amp_unscale_rule", "foreach_rule", "pointwise_rule"]
 
 aten = torch.ops.aten
 
@@ -110,3 +111,25 @@ def foreach_rule(call: OpCall) -> Plan:
 
 
 foreach_rule.float_blind = True   # type: ignore[attr-defined]
+
+
+@register(aten._amp_foreach_non_finite_check_and_unscale_.default)
+def amp_unscale_rule(call: OpCall) -> Plan:
+    """``GradScaler.unscale_`` on DTensor gradients (fully_shard, tensor parallelism).
+
+    Each rank unscales its local pieces in place and sets ``found_inf`` (a plain 0-d tensor)
+    from them; then the ranks agree: ``found_inf`` becomes its maximum over every mesh axis
+    that some gradient is split on (Shard or Partial), so that every rank skips, or takes,
+    the optimizer step together and the scaler's scale stays the same everywhere.  (An inf in
+    one rank's shard is an inf of the whole gradient.)
+    """
+    axes = sorted({a for d in call.dts for a, p in enumerate(d.placements)
+                   if not p.is_replicate()})
+    mesh = call.mesh
+
+    def local_fn(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        func(*args, **kwargs)
+        found = args[1] if len(args) > 1 else kwargs["found_inf"]
+        for axis in axes:
+            found.copy_(_comm.all_reduce(found, mesh, axis, Partial("max")))
+    return Plan([d.placements for d in call.dts], None, local_fn)
