@@ -80,7 +80,12 @@ CONFIGS = [("SGD", {"momentum": 0.9, "weight_decay": 0.01, "foreach": False}),
            ("Adam", {"weight_decay": 0.01, "foreach": False}),
            ("Adam", {"foreach": True, "amsgrad": True}),
            ("AdamW", {"weight_decay": 0.1, "foreach": False}),
-           ("AdamW", {"weight_decay": 0.1, "foreach": True})]
+           ("AdamW", {"weight_decay": 0.1, "foreach": True}),
+           # fused steps: the per-parameter step counts are 0-d plain tensors in a list
+           ("SGD", {"momentum": 0.9, "fused": True}),
+           ("Adam", {"fused": True}),
+           ("AdamW", {"weight_decay": 0.1, "amsgrad": True, "fused": True}),
+           ("Adagrad", {"fused": True})]
 
 
 @pytest.mark.timeout(90)
@@ -92,6 +97,24 @@ def test_optimizers_and_clip_grad_norm_match_full_tensors() -> None:
                 assert (total == "DTensor(f32[] P(norm2))" and counts == {"all_reduce": 1}
                         and close), key
             assert all(s == "DTensor(f32[5@0,4] S(0))" for s in state), (key, state)
+
+
+def test_optimizers_default_to_foreach_kernels_for_dtensors(monkeypatch) -> None:
+    """Where torch.optim and clip_grad_norm_ default to their multi-tensor kernels (GPUs; the
+    CPU is made one here), they do for DTensor parameters too, not a loop per parameter."""
+    import torch.optim.optimizer as optim_mod
+    import torch.utils._foreach_utils as foreach_mod
+
+    monkeypatch.setattr(optim_mod, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+    monkeypatch.setattr(foreach_mod, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+
+    def body(rank: int, n: int) -> tuple[tuple[bool, bool], bool]:
+        mesh = init_device_mesh("cpu", (n,))
+        p = nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [S0]))
+        p.grad = distribute_tensor(torch.ones(4, 2), mesh, [S0])
+        return (optim_mod._default_to_fused_or_foreach([p], differentiable=False),
+                foreach_mod._has_foreach_support([p.grad], p.device))
+    assert run_threads(body, 2) == [((False, True), True)] * 2
 
 
 def _state_dicts(rank: int, n: int, tmp: str) -> dict:

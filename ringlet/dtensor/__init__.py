@@ -9,6 +9,23 @@ from ringlet.dtensor.debug import CommDebugMode
 from ringlet.dtensor.experimental import implicit_replication
 from ringlet.dtensor.placements import Partial, Placement, Replicate, Shard
 
+
+def _use_foreach_kernels() -> None:
+    """Let torch.optim and ``clip_grad_norm_`` pick their multi-tensor (foreach) kernels for
+    DTensor parameters by default, as they do for plain tensors on a GPU: their defaults accept
+    only the tensor types in these lists, and a per-parameter loop would cost one dispatch per
+    parameter and op (the foreach ops have a sharding rule, ``_ops/pointwise.py``)."""
+    import torch.optim.optimizer as optim_mod
+    import torch.utils._foreach_utils as foreach_mod
+
+    for mod in (optim_mod, foreach_mod):
+        kinds = getattr(mod, "_foreach_supported_types", None)   # private: may move in torch
+        if isinstance(kinds, list) and DTensor not in kinds:
+            kinds.append(DTensor)
+
+
+_use_foreach_kernels()
+
 __all__ = [
     "CommDebugMode",
     "DTensor",

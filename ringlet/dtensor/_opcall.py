@@ -69,6 +69,12 @@ def unflatten(flat: Sequence[Any], spec: Spec, start: int = 0) -> tuple[list[Any
     return out, i
 
 
+def _is_fused_step(func: Any) -> bool:
+    """Whether ``func`` is an in-place fused optimizer step (``_fused_adamw_``, ``_fused_sgd_``)."""
+    name: str = func.overloadpacket.__name__
+    return name.startswith("_fused_") and name.endswith("_")
+
+
 def broadcast_shapes(*shapes: Sequence[int]) -> list[int]:
     """``torch.broadcast_shapes`` without its Python-reference overhead."""
     nd = max((len(s) for s in shapes), default=0)
@@ -111,12 +117,13 @@ class OpCall:
         self.mesh = _mesh_of(func, self.flat)
         self.dts: list[DTensor] = []
         self.positions: list[int] = []
-        in_list = _list_positions(self.spec)
+        # a 0-d plain tensor is a scalar operand, except as an element of a Tensor[] argument
+        # (stack, cat, foreach ops), where it stands for a whole value; the fused optimizer
+        # steps (``_fused_adamw_``...) take each parameter's step count so (``state_steps``)
+        in_list = frozenset() if _is_fused_step(func) else _list_positions(self.spec)
         adopted = False
         for i, x in enumerate(self.flat):
             if isinstance(x, torch.Tensor):
-                # a 0-d plain tensor is a scalar operand, except as an element of a Tensor[]
-                # argument (stack, cat, foreach ops), where it stands for a whole value
                 if not isinstance(x, DTensor) and (x.dim() > 0 or i in in_list):
                     x = self.flat[i] = self._adopt(i, x)
                     adopted = True
