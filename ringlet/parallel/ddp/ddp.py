@@ -171,23 +171,34 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        # Under torch.compile only the module's own forward is traced: DDP's steps before and
+        # after it (collectives, bookkeeping) run eagerly, a graph break each.
         with traced("DistributedDataParallel.forward"):
             training = torch.is_grad_enabled()
-            sync = training and self.require_backward_grad_sync
-            join_work = self._pre_forward(sync) if training else None
-            if training:
-                self._logging.forward_start()
-            if self.device_ids:            # torch moves the inputs to device_ids[0]
-                inputs, kwargs = move_to((inputs, kwargs), self.device)
+            inputs, kwargs, join_work = self._before_module(training, inputs, kwargs)
             out = self.module(*inputs, **kwargs)
-            if training:
-                self._logging.forward_end()
-            if sync:
-                self.reducer.prepare_for_backward(out, join_work,
-                                                  self._divide_by_initial_world_size)
-            elif training:
-                self.reducer.skip_backward()
-            return out
+            return self._after_module(training, out, join_work)
+
+    @torch.compiler.disable
+    def _before_module(self, training: bool, inputs: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        join_work = None
+        if training:
+            join_work = self._pre_forward(training and self.require_backward_grad_sync)
+            self._logging.forward_start()
+        if self.device_ids:            # torch moves the inputs to device_ids[0]
+            inputs, kwargs = move_to((inputs, kwargs), self.device)
+        return inputs, kwargs, join_work
+
+    @torch.compiler.disable
+    def _after_module(self, training: bool, out: Any, join_work: Any) -> Any:
+        if training:
+            self._logging.forward_end()
+        if training and self.require_backward_grad_sync:
+            self.reducer.prepare_for_backward(out, join_work, self._divide_by_initial_world_size)
+        elif training:
+            self.reducer.skip_backward()
+        return out
 
     def _pre_forward(self, sync: bool) -> Any:
         """Collectives before a training forward: Join's flag, bucket rebuild, buffer broadcast."""

@@ -161,6 +161,9 @@ class FSDPState:
         self.training_state = new
 
     # -- forward ---------------------------------------------------------------------------
+    # Under torch.compile the hooks run eagerly (a graph break each) and only the module's own
+    # forward is traced: what they do (collectives, swapping parameters) must not be traced.
+    @torch.compiler.disable
     def _pre_forward_hook(self, module: nn.Module, args: tuple[Any, ...],
                           kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         # forward() called by e.g. generate()
@@ -175,6 +178,7 @@ class FSDPState:
             self._to_run = {id(m) for m in self.modules} if inside else {id(module)}
         return out
 
+    @torch.compiler.disable
     def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.method_depth and self.training_state is _T.FORWARD:
             return output

@@ -1,0 +1,19 @@
+"""torch.compile around and inside DDP and fully_shard, on 2 processes: training matches one
+uncompiled process (the wrappers' own steps run eagerly, the module is compiled)."""
+
+from __future__ import annotations
+
+import _compile_workers as W
+import pytest
+
+from ringlet.testing.procs import raise_first, run_world
+
+HOWS = ["ddp(compile(model))", "compile(ddp(model))", "compile(fully_shard(model))"]
+
+
+@pytest.mark.timeout(150)
+def test_compiled_ddp_and_fully_shard_train_like_one_process() -> None:
+    # aot_eager: dynamo and AOT autograd as inductor uses them, without a C++ compiler
+    for got in raise_first(run_world(2, W.compiled_vs_local, HOWS, "aot_eager", timeout=140,
+                                     op_timeout=60)):
+        assert set(got) == set(HOWS) and all(d < 1e-6 for d in got.values()), got
