@@ -194,3 +194,35 @@ def cpu_twins(rank: int, n: int) -> list[list[float]]:
     if sync_batchnorm_vs_local(rank, n, "cpu") != "ok":
         raise AssertionError("sync_batchnorm_vs_local")
     return [hooks_vs_cpu(rank, n, h, "cpu") for h in ("fp16", "bf16", "powersgd")]
+
+
+def fsdp_amp_vs_local(rank: int, n: int) -> str:
+    """fully_shard on CUDA with what GPU scripts add: float16 autocast, torch's GradScaler,
+    fused AdamW (and the foreach default of clip_grad_norm_), against one process."""
+    from ringlet.distributed.fsdp import fully_shard
+
+    device = torch.device("cuda", 0)
+    local = _model(device)
+    sharded = copy.deepcopy(local)
+    fully_shard(sharded[0])
+    fully_shard(sharded)
+    runs = []
+    for model, r, k in ((sharded, rank, n), (local, 0, 1)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
+        for x, y in _batches(n, device):
+            rows = slice(4 * r, 4 * r + 4) if k > 1 else slice(None)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x[rows]).float(), y[rows])
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        runs.append(scaler.get_scale())
+    assert runs[0] == runs[1], runs
+    for (name, a), b in zip(sharded.named_parameters(), local.parameters()):
+        torch.testing.assert_close(a.full_tensor(), b, rtol=1e-2, atol=1e-3,
+                                   msg=f"rank {rank}: {name}")
+    return "ok"

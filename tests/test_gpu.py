@@ -433,6 +433,15 @@ def test_fully_shard_one_rank_on_cuda_matches_single_process(how: str) -> None:
         dist.destroy_process_group()
 
 
+@NEEDS_CUDA
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend, n", [("nccl", 1), ("gloo", 2)], ids=["nccl-1", "staged-2"])
+def test_fully_shard_with_float16_autocast_grad_scaler_and_fused_adamw(backend: str,
+                                                                       n: int) -> None:
+    assert raise_first(run_world(n, _gpu_workers.fsdp_amp_vs_local, backend=backend,
+                                 timeout=100)) == ["ok"] * n
+
+
 @pytest.mark.timeout(90)
 def test_the_cuda_hook_and_batchnorm_workers_hold_on_the_cpu() -> None:
     """The bodies of the two CUDA tests below, run with CPU tensors on 2 processes: the
