@@ -306,6 +306,44 @@ def test_async_save_snapshots_at_call_time_one_in_flight(tmp_path) -> None:
     assert out[0][0] == [([1.0], [1.0], 1), ([2.0], [2.0], 2)] and out[0] == out[1]
 
 
+def _async_kinds(rank: int, world: int, root: str) -> list:
+    from ringlet.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, async_save
+
+    w = distribute_tensor(torch.full((4,), 3.0), init_device_mesh("cpu", (world,)), [Shard(0)])
+    for kind in (AsyncCheckpointerType.PROCESS, "thread"):
+        async_save({"w": w}, checkpoint_id=f"{root}/{kind}",
+                   async_checkpointer_type=kind).result(timeout=30)
+    with pytest.raises(ValueError, match="async_checkpointer_type: expected an Async"):
+        async_save({"w": w}, checkpoint_id=f"{root}/x", async_checkpointer_type="fork")
+    tgt = {"w": distribute_tensor(torch.zeros(4), w.device_mesh, [Shard(0)])}
+    dcp.load(tgt, checkpoint_id=f"{root}/{AsyncCheckpointerType.PROCESS}")
+    return tgt["w"].full_tensor().tolist()
+
+
+def test_async_save_takes_torchs_checkpointer_types(tmp_path) -> None:
+    """The async-checkpoint recipe imports AsyncCheckpointerType from state_dict_saver and asks
+    for PROCESS; both kinds write (in a thread), anything else is refused."""
+    assert run_threads(_async_kinds, 2, str(tmp_path)) == [[3.0] * 4] * 2
+
+
+def test_format_utils_command_line_as_torchs(tmp_path) -> None:
+    """python -m ...checkpoint.format_utils {dcp_to_torch,torch_to_dcp} SRC DST (torch's CLI) used
+    to exit 0 and write nothing."""
+    dcp.save({"a": torch.arange(3.0)}, checkpoint_id=tmp_path / "ck")
+    cli = [sys.executable, "-m", "ringlet.distributed.checkpoint.format_utils"]
+    for args in (["dcp_to_torch", "ck", "one.pt"], ["torch_to_dcp", "one.pt", "ck2"]):
+        out = subprocess.run([*cli, *args], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+    assert torch.equal(torch.load(tmp_path / "one.pt", weights_only=True)["a"], torch.arange(3.0))
+    back = {"a": torch.zeros(3)}
+    dcp.load(back, checkpoint_id=tmp_path / "ck2")
+    assert torch.equal(back["a"], torch.arange(3.0))
+    bad = subprocess.run([*cli, "to_torch", "ck", "x.pt"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
 def test_overwrite_false_and_missing_checkpoint_and_file_in_the_way(tmp_path) -> None:
     dcp.save({"a": torch.ones(2)}, checkpoint_id=tmp_path / "ck")
     with pytest.raises(dcp.CheckpointException, match="overwrite=False"):

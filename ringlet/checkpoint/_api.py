@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import os
 import threading
 from typing import Any
@@ -17,7 +18,20 @@ from ringlet.checkpoint._save import Prepared, finish, prepare, write
 from ringlet.checkpoint.filesystem import FileSystemReader, FileSystemWriter, resolve_location
 from ringlet.checkpoint.stateful import resolve_stateful
 
-__all__ = ["DefaultLoadPlanner", "DefaultSavePlanner", "async_save", "load", "save"]
+__all__ = ["AsyncCheckpointerType", "DefaultLoadPlanner", "DefaultSavePlanner", "async_save",
+           "load", "save"]
+
+
+class AsyncCheckpointerType(enum.Enum):
+    """Where :func:`async_save` writes, torch's names (``state_dict_saver.AsyncCheckpointerType``).
+
+    ringlet writes in a background thread for both: its writer spends its time in file
+    I/O, which releases the GIL, so a separate process would only add a copy of the
+    snapshot.  ``PROCESS`` is accepted so that scripts asking for it run unchanged.
+    """
+
+    THREAD = "thread"
+    PROCESS = "process"
 
 
 class DefaultSavePlanner:
@@ -158,6 +172,16 @@ def _background_coordinator(coord: Coordinator, save_id: str) -> Coordinator:
     return StoreCoordinator(w.store, coord.rank, coord.size, f"ringlet/ckpt/{save_id}", w.timeout)
 
 
+def _check_checkpointer_type(kind: Any) -> None:
+    if kind is None or isinstance(kind, AsyncCheckpointerType):
+        return
+    try:
+        AsyncCheckpointerType(kind)
+    except ValueError:
+        raise ValueError(f"async_save: async_checkpointer_type: expected an AsyncCheckpointerType "
+                         f"('thread' or 'process'), got {kind!r}") from None
+
+
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
                storage_writer: FileSystemWriter | None = None,
                planner: DefaultSavePlanner | None = None, process_group: Any = None,
@@ -173,6 +197,8 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
     to its peers through the rendezvous store only, never through the training's process
     groups.  At most one save is in flight per rank: a new call first waits for the
     previous one.  Wait for the future before ``destroy_process_group``.
+    ``async_checkpointer_type`` (an :class:`AsyncCheckpointerType` or its value) is checked
+    and accepted; both kinds write in a background thread.
 
     Example::
 
@@ -181,6 +207,7 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
         fut.result()             # before the next save, or at the end
     """
     _check_planner(planner, DefaultSavePlanner, "async_save")
+    _check_checkpointer_type(async_checkpointer_type)
     writer = resolve_location("async_save", checkpoint_id, storage_writer, FileSystemWriter)
     coord = _coordinator(process_group, no_dist, "async_save")
     _wait_inflight()

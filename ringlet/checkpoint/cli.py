@@ -84,3 +84,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, TypeError, RuntimeError, ImportError) as e:
         print(f"{PROG} {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+
+
+_TORCH_MODES = {"dcp_to_torch": "to-torch", "torch_to_dcp": "from-torch"}
+
+
+def format_utils_main(argv: Sequence[str] | None = None) -> None:
+    """torch's ``format_utils`` command line: ``MODE SRC DST`` with ``MODE`` one of
+    ``dcp_to_torch``/``torch_to_dcp``; the same conversions as ``to-torch``/``from-torch``.
+    Exits the interpreter with the status (``SystemExit``), as a ``__main__`` does.
+
+    Example::
+
+        python -m ringlet.distributed.checkpoint.format_utils dcp_to_torch checkpoint model.pth
+    """
+    p = argparse.ArgumentParser(prog="python -m ringlet.distributed.checkpoint.format_utils",
+                                description="Convert a checkpoint to or from one torch.save file.")
+    p.add_argument("mode", choices=sorted(_TORCH_MODES), help="conversion mode")
+    p.add_argument("src", help="path to the source checkpoint (directory or file)")
+    p.add_argument("dst", help="path to write the converted checkpoint to")
+    args = p.parse_args(argv)
+    raise SystemExit(main([_TORCH_MODES[args.mode], args.src, args.dst]))
