@@ -1,0 +1,2 @@
+"""torch's ``torch.distributed.algorithms._checkpoint`` package path (activation checkpointing
+wrappers, ``checkpoint_wrapper``)."""
