@@ -54,3 +54,39 @@ def compiled_vs_local(rank: int, n: int, hows: list[str], backend: str) -> dict[
         out[how] = max(float((_full(p.detach()) - q.detach()).abs().max())
                        for p, q in zip(model.parameters(), ref.parameters()))
     return out
+
+
+def tensor_parallel(rank: int, n: int) -> tuple[float, str]:
+    """A column/row-wise parallelized MLP compiled with backend 'eager' (dynamo captures, the
+    DTensor ops run as they are): its largest parameter difference from one uncompiled process
+    after 3 steps; then what compiling it with AOT autograd raises."""
+    from ringlet.distributed.device_mesh import init_device_mesh
+    from ringlet.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (n,))
+    ref = _model()
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    model = parallelize_module(copy.deepcopy(ref), mesh, plan)
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((compiled, opt), (ref, ref_opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    diff = max(float((_full(p) - q).abs().max())
+               for p, q in zip(model.parameters(), ref.parameters()))
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend="aot_eager")(torch.ones(4, 8))
+        refused = "nothing"
+    except Exception as e:          # dynamo wraps what the backend raised
+        refused = str(e)
+    return diff, refused

@@ -17,3 +17,13 @@ def test_compiled_ddp_and_fully_shard_train_like_one_process() -> None:
     for got in raise_first(run_world(2, W.compiled_vs_local, HOWS, "aot_eager", timeout=140,
                                      op_timeout=60)):
         assert set(got) == set(HOWS) and all(d < 1e-6 for d in got.values()), got
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_compiles_with_the_eager_backend_and_explains_aot() -> None:
+    """Parallelized modules' hooks run eagerly; with backend='eager' training matches one
+    process. AOT autograd cannot trace ringlet's DTensor collectives: the error says so."""
+    for diff, refused in raise_first(run_world(2, W.tensor_parallel, timeout=110,
+                                               op_timeout=60)):
+        assert diff < 1e-6, diff
+        assert "torch.compile is tracing this collective" in refused, refused

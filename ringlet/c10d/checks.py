@@ -120,6 +120,10 @@ def tensor_list(ts: Any, op: str, arg: str, length: int | None = None,
     return checked
 
 
+# The stand-ins of torch.compile's tracers (AOT autograd, fake tensor propagation).
+_TRACING_TENSORS = frozenset({"FunctionalTensor", "FakeTensor"})
+
+
 def _plain(t: Any, op: str, arg: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise fail(TypeError, op, arg, f"expected a torch.Tensor, got {type(t).__name__}")
@@ -131,6 +135,12 @@ def _plain(t: Any, op: str, arg: str) -> torch.Tensor:
         raise fail(ValueError, op, arg, "expected a materialized tensor, got an uninitialized lazy "
                    "parameter (run a forward pass or materialize() it first)")
     if type(t).__torch_dispatch__ is not _BASE_DISPATCH:
+        if type(t).__name__ in _TRACING_TENSORS:
+            raise fail(TypeError, op, arg, f"expected a real tensor, got a {type(t).__name__}: "
+                       "torch.compile is tracing this collective, which it cannot compile "
+                       "(ringlet's collectives and DTensor are not traceable); run the module "
+                       "that communicates eagerly (e.g. compile only its submodules without "
+                       "DTensor parameters) or use torch.compile(..., backend='eager')")
         raise fail(TypeError, op, arg, f"expected a plain torch.Tensor, got the tensor subclass "
                    f"{type(t).__name__}, whose storage does not hold its values (it defines "
                    "__torch_dispatch__); pass the plain tensor that holds this rank's data")

@@ -38,6 +38,11 @@ plain tensor (adopted as Replicate), arguments that do not hash, and ops in
 ``NO_CACHE`` (those ``OVERRIDES`` may take over, e.g. under ``loss_parallel()``).
 Outputs of the replicate fallback take their shape from the local result on every
 call (data-dependent ops such as ``nonzero`` run there).
+
+Under torch.compile the dispatch is never traced: when dynamo's tracer reaches it, it runs
+eagerly (``_eager_dispatch``, compiler-disabled), and the styles' and fully_shard's hooks are
+disabled likewise.  So ``backend="eager"`` works; AOT autograd still traces the ops through
+the subclass and stops at the first collective with an error that says so (``c10d/checks``).
 """
 
 from __future__ import annotations
@@ -87,6 +92,12 @@ def torch_dispatch(cls: Any, func: Any, types: Any, args: tuple[Any, ...] = (),
     """``DTensor.__torch_dispatch__`` itself (installed by ``_api``; see
     [Note: DTensor dispatch] and
     [Note: dispatch cache])."""
+    if _is_compiling():                    # torch.compile must not trace the dispatch itself
+        return _eager_dispatch(func, args, kwargs)
+    return _dispatch(func, args, kwargs)
+
+
+def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
     mesh: Any = None
     key: list[Any] = [func]
     largs: list[Any] = []
@@ -129,6 +140,16 @@ def torch_dispatch(cls: Any, func: Any, types: Any, args: tuple[Any, ...] = (),
     if kind == ONE:
         return wrap_local(res, out)
     return _finish(kind, out, res, args, kwargs or {})
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+@torch.compiler.disable
+def _eager_dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+    """The dispatch run eagerly when torch.compile's tracer reaches it: a graph break at each
+    DTensor op (ringlet's DTensor ops, collectives included, are not traceable)."""
+    return _dispatch(func, args, kwargs)
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:

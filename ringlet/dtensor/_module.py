@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from ringlet.dtensor._api import DTensor, default_mesh, distribute_tensor
@@ -52,10 +53,13 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         if partition_fn is not None:
             partition_fn(name, sub, mesh)
         _replicate_rest(sub, mesh)
+    # The hooks move data between ranks: under torch.compile they run eagerly (graph breaks).
     if input_fn is not None:
-        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
+        module.register_forward_pre_hook(
+            torch.compiler.disable(lambda mod, inputs: input_fn(mod, inputs, mesh)))
     if output_fn is not None:
-        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, mesh))
+        module.register_forward_hook(
+            torch.compiler.disable(lambda mod, inputs, outputs: output_fn(mod, outputs, mesh)))
     module._distribute_module_applied = True  # type: ignore[assignment]
     return module
 

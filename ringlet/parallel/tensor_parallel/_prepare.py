@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from ringlet.dtensor import DTensor, Placement
@@ -101,13 +102,15 @@ class PrepareModuleInput(ParallelStyle):
                 for k, v in kwargs.items()}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # under torch.compile the hooks run eagerly (they may redistribute: collectives)
         if self.with_kwargs:
-            module.register_forward_pre_hook(
+            module.register_forward_pre_hook(torch.compiler.disable(
                 lambda _, args,
-                kwargs: (self._inputs(args, device_mesh), self._kwargs(kwargs, device_mesh)),
+                kwargs: (self._inputs(args, device_mesh), self._kwargs(kwargs, device_mesh))),
                 with_kwargs=True)
         else:
-            module.register_forward_pre_hook(lambda _, args: self._inputs(args, device_mesh))
+            module.register_forward_pre_hook(torch.compiler.disable(
+                lambda _, args: self._inputs(args, device_mesh)))
         return module
 
     def __repr__(self) -> str:
@@ -151,7 +154,8 @@ class PrepareModuleOutput(ParallelStyle):
         return done[0] if len(done) == 1 else tuple(done)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(lambda _, inputs, outputs: self._outputs(outputs, device_mesh))
+        module.register_forward_hook(torch.compiler.disable(
+            lambda _, inputs, outputs: self._outputs(outputs, device_mesh)))
         return module
 
     def __repr__(self) -> str:
