@@ -4,6 +4,7 @@ dicts as torch's, and training with fully_shard and DDP on rank threads equal to
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from _workers import seeded
 from torch import nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_cw
+from torch.distributed.fsdp import wrap as torch_wrap
 
 from ringlet.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -21,6 +23,7 @@ from ringlet.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     offload_wrapper,
 )
 from ringlet.distributed.fsdp import fully_shard
+from ringlet.distributed.fsdp import wrap as ringlet_wrap
 from ringlet.nn.parallel import DistributedDataParallel
 from ringlet.testing import run_threads
 
@@ -63,6 +66,8 @@ def test_names_and_state_dicts_are_torchs() -> None:
     w = checkpoint_wrapper(nn.Linear(2, 3))
     assert (w.in_features, w.weight.shape) == (2, torch.Size([3, 2]))     # attribute lookups
     assert isinstance(ours[0][0], CheckpointWrapper) and ours[0][1].__class__ is nn.ReLU
+    off = offload_wrapper(nn.Linear(2, 2))
+    assert isinstance(off, OffloadWrapper) and list(off.state_dict()) == ["weight", "bias"]
     with pytest.raises(TypeError, match="expected an nn.Module, got int"):
         checkpoint_wrapper(3)
 
@@ -79,18 +84,55 @@ def test_recomputes_in_backward_with_keyword_arguments(impl: CheckpointImpl) -> 
     torch.testing.assert_close(block.fc.weight.grad, ref.fc.weight.grad)
 
 
-def test_auto_wrap_policy_sees_the_unwrapped_numel() -> None:
-    seen: list[tuple[str, int]] = []
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.inner = nn.Sequential(nn.Linear(8, 4))
 
-    def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-        seen.append((type(module).__name__, nonwrapped_numel))
-        return isinstance(module, Block)
-    model = _model()
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=offload_wrapper,
-                                   auto_wrap_policy=policy)
-    assert [type(m).__name__ for m in model] == ["OffloadWrapper", "OffloadWrapper", "Linear"]
-    assert seen == [("Linear", 72), ("Block", 72), ("Linear", 72), ("Block", 72), ("Linear", 18)]
-    assert isinstance(model[0], OffloadWrapper)
+
+def _nested() -> nn.Module:
+    return nn.Sequential(Nested(), nn.Sequential(Nested(), nn.Linear(8, 2)),
+                         nn.MultiheadAttention(8, 2))
+
+
+POLICIES = {
+    "ModuleWrapPolicy": lambda w: w.ModuleWrapPolicy({Nested}),
+    "size_based": lambda w: functools.partial(w.size_based_auto_wrap_policy, min_num_params=50),
+    "transformer": lambda w: functools.partial(w.transformer_auto_wrap_policy,
+                                               transformer_layer_cls={Nested, nn.Linear}),
+    "lambda": lambda w: functools.partial(w.lambda_auto_wrap_policy,
+                                          lambda_fn=lambda m: isinstance(m, nn.Sequential)),
+    "always": lambda w: w.always_wrap_policy,
+}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_auto_wrap_policies_ask_and_wrap_as_torchs(name: str) -> None:
+    """Each of torch's wrap policies (at torch's module path) with apply_activation_checkpointing:
+    the same questions in the same order (module, recurse, unwrapped numel) and the same
+    wrapped model as torch's."""
+    got = []
+    for apply, wrap_mod in ((torch_cw.apply_activation_checkpointing, torch_wrap),
+                            (apply_activation_checkpointing, ringlet_wrap)):
+        asked: list[tuple[str, bool, int]] = []
+        policy = POLICIES[name](wrap_mod)
+
+        def spy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                policy: Any = policy, asked: list = asked) -> bool:
+            asked.append((type(module).__name__, recurse, nonwrapped_numel))
+            return policy(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel)
+        model = _nested()
+        apply(model, auto_wrap_policy=spy)
+        got.append((repr(model), asked))
+    assert got[0] == got[1]
+
+
+def test_custom_policy_is_callable_here() -> None:
+    """torch's CustomPolicy is only for FSDP1's auto-wrap; ringlet's is also a policy callable."""
+    policy = ringlet_wrap.CustomPolicy(lambda m: {"x": 1} if isinstance(m, nn.Linear) else {})
+    assert policy(module=nn.ReLU(), recurse=True) and policy(nn.Linear(1, 1), False)
+    assert not policy(nn.ReLU(), recurse=False)
 
 
 def _train(rank: int, world: int, how: str) -> list[float]:

@@ -188,7 +188,9 @@ def apply_activation_checkpointing(
             called as ``auto_wrap_policy(module=m, recurse=False, nonwrapped_numel=n)`` where
             ``n`` counts the parameters of ``m`` not inside an already selected submodule.
 
-    Submodules are visited bottom-up: a selected module inside another selected one is wrapped
+    Submodules are visited as torch does: the policy is first asked (``recurse=True``) whether
+    to look inside a module, then its children are visited, then it is asked (``recurse=False``)
+    whether to wrap the module itself; a selected module inside another selected one is wrapped
     too (the outer wrapper then holds the inner one).
 
     Example::
@@ -201,24 +203,29 @@ def apply_activation_checkpointing(
     if not isinstance(model, nn.Module):
         raise TypeError("apply_activation_checkpointing: model: expected an nn.Module, got "
                         f"{type(model).__name__}")
-    if auto_wrap_policy is not None:
-        def select(m: nn.Module, unwrapped: int) -> bool:
-            return bool(auto_wrap_policy(module=m, recurse=False, nonwrapped_numel=unwrapped))
-    else:
-        def select(m: nn.Module, unwrapped: int) -> bool:
-            return bool(check_fn(m))
-    _wrap_children(model, checkpoint_wrapper_fn, select)
+    def select(m: nn.Module, numel: int, recurse: bool) -> bool:
+        if auto_wrap_policy is not None:
+            return bool(auto_wrap_policy(module=m, recurse=recurse, nonwrapped_numel=numel))
+        return recurse or bool(check_fn(m))
+    _visit(model, checkpoint_wrapper_fn, select, root=True)
 
 
-def _wrap_children(module: nn.Module, wrap: Callable[[nn.Module], nn.Module],
-                   select: Callable[[nn.Module, int], bool]) -> int:
-    """Wrap the selected descendants of ``module``; returns the number of parameter elements of
-    ``module`` (its own and its descendants') that are not inside a wrapped descendant."""
-    unwrapped = sum(p.numel() for p in module.parameters(recurse=False))
+def _visit(module: nn.Module, wrap: Callable[[nn.Module], nn.Module],
+           select: Callable[[nn.Module, int, bool], bool], root: bool = False) -> tuple[Any, int]:
+    """Torch's order: ask ``select(module, numel, recurse=True)`` whether to look inside
+    ``module`` (no: leave it, wrapping nothing); if so visit its children, then ask
+    ``select(module, numel not inside a wrapped child, recurse=False)`` whether to wrap it
+    (never the root).  Returns the module (or its wrapper) and how many of its parameter
+    elements ended up inside wrappers."""
+    total = sum(p.numel() for p in module.parameters())
+    if not select(module, total, True):
+        return module, 0
+    inside = 0
     for name, child in list(module.named_children()):
-        inside = _wrap_children(child, wrap, select)
-        if select(child, inside):
-            setattr(module, name, wrap(child))
-        else:
-            unwrapped += inside
-    return unwrapped
+        new, n = _visit(child, wrap, select)
+        if new is not child:
+            setattr(module, name, new)
+        inside += n
+    if not root and select(module, total - inside, False):
+        return wrap(module), total
+    return module, inside
