@@ -325,3 +325,35 @@ def _clip_without_grad_through_the_gather(rank: int, n: int) -> bool:
 
 def test_contrastive_loss_control_without_gradients_through_the_gather_differs() -> None:
     assert run_threads(_clip_without_grad_through_the_gather, 2) == [False, False]
+
+
+def _edges(rank: int, n: int) -> None:
+    loss = torch.tensor(2.0 * (rank + 1), requires_grad=True)     # a 0-d loss, averaged
+    avg = F.all_reduce(loss, op=dist.ReduceOp.AVG)
+    avg.backward()
+    assert avg.item() == n + 1 and loss.grad.item() == 1.0
+    x = (torch.arange(6.0).view(2, 3) + rank).t().requires_grad_()   # a transposed view
+    ys = F.all_gather(x)
+    sum(y.sum() for y in ys).backward()
+    assert all(y.is_contiguous() and torch.equal(y, ys[0] + r) for r, y in enumerate(ys))
+    assert torch.equal(x.grad, torch.full((3, 2), float(n)))
+    empty = torch.zeros(0, requires_grad=True)
+    torch.cat(F.all_gather(empty)).sum().backward()
+    assert empty.grad.shape == (0,)
+    for out in (torch.zeros(2 * n), torch.zeros(n, 2)):       # concatenated and stacked
+        x = torch.ones(2, requires_grad=True)
+        with pytest.warns(FutureWarning, match="_all_gather_base is deprecated"):
+            y = F._all_gather_base(out, x)
+        assert y.data_ptr() == out.data_ptr() and torch.equal(out, torch.ones_like(out))
+        (y * torch.arange(2.0 * n).view_as(y)).sum().backward()
+        assert torch.equal(x.grad, n * torch.arange(2.0 * rank, 2.0 * rank + 2))
+    x = torch.ones(2, requires_grad=True)       # a retained graph runs its collectives again
+    ys = F.all_to_all([torch.zeros(2) for _ in range(n)], [x * (k + 1) for k in range(n)])
+    total = sum(y.sum() for y in ys)
+    total.backward(retain_graph=True)
+    total.backward()
+    assert torch.equal(x.grad, torch.full((2,), 2.0 * sum(range(1, n + 1))))
+
+
+def test_scalars_views_empty_tensors_all_gather_base_and_retained_graphs() -> None:
+    run_threads(_edges, 2)
