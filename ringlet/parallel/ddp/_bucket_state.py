@@ -157,6 +157,10 @@ class Layout:
         self.solo_bytes: int | None = None
         self.buckets: list[Bucket] = []
         self._where: list[tuple[int, int]] = []
+        # per parameter, looked up by every gradient hook: its bucket, and its slot (a view of
+        # the bucket's buffer; None for a solo bucket, whose buffer may never be allocated)
+        self._bucket_of: list[Bucket] = []
+        self._slot_of: list[torch.Tensor | None] = []
         self.install(default_order(len(params)))
 
     @property
@@ -179,6 +183,9 @@ class Layout:
             for m, i in enumerate(b.plan.indices):
                 where[i] = (b.index, m)
         self._where = where
+        self._bucket_of = [self.buckets[b] for b, _ in where]
+        self._slot_of = [None if self.buckets[b].plan.solo else self.buckets[b].slot(m)
+                         for b, m in where]
         if self.as_view:
             for i, p in enumerate(self.params):
                 prev = old[i]
@@ -189,9 +196,12 @@ class Layout:
         return True
 
     def bucket_of(self, i: int) -> Bucket:
-        return self.buckets[self._where[i][0]]
+        return self._bucket_of[i]
 
     def slot(self, i: int) -> torch.Tensor:
+        s = self._slot_of[i]
+        if s is not None:
+            return s
         b, m = self._where[i]
         return self.buckets[b].slot(m)
 
@@ -204,7 +214,7 @@ class Layout:
             raise NotImplementedError("DistributedDataParallel: expected dense gradients, got a "
                                       f"{g.layout} gradient for parameter {i} (sparse gradients "
                                       "are not supported)")
-        bucket = self.bucket_of(i)
+        bucket = self._bucket_of[i]
         if (bucket.plan.solo and g.is_contiguous() and g.dtype == bucket.plan.dtype
                 and not (self.as_view and self.memory is not None and bucket.own() is not None
                          and bucket.shared)):

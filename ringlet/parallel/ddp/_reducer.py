@@ -140,6 +140,7 @@ class Reducer:
         self.on_finalized: Any = None        # callback(reducer) after a successful finalize
         self.on_error: Any = None            # callback(message) before DDP raises an error
         self.used_last: list[bool] = []      # parameters that had a gradient in the last reduction
+        self._premul: Any = None             # the PREMUL_SUM(1/world) op, see _reduce_op
         self._handles = [functools.partial(self._on_grad_ready, i) for i in range(n)]
         self._hooks = [p.register_post_accumulate_grad_hook(h)
                        for p, h in zip(params, self._handles)]
@@ -287,7 +288,9 @@ class Reducer:
         """
         if join_sums:
             return ReduceOp.SUM
-        return _make_nccl_premul_sum(1.0 / self.pg.size())
+        if self._premul is None:                     # one object, built once (it is immutable)
+            self._premul = _make_nccl_premul_sum(1.0 / self.pg.size())
+        return self._premul
 
     # -- bucket rebuild --------------------------------------------------------------------------
     def rebuild_pending(self) -> bool:
@@ -380,10 +383,11 @@ class Reducer:
         used = table.view(self.pg.size(), -1)
         if not self.find_unused:
             self._check_all_fired(used)
-        used_any = (used == _USED).any(dim=0).tolist()
-        for i, p in enumerate(self.params):
-            if not self._fired[i] and used_any[i]:
-                self.layout.copy_out(i, p)           # used on another rank: take the average
+        if not all(self._fired):
+            used_any = (used == _USED).any(dim=0).tolist()
+            for i, p in enumerate(self.params):
+                if not self._fired[i] and used_any[i]:
+                    self.layout.copy_out(i, p)       # used on another rank: take the average
         if self.static_graph and self._expected_calls is None:
             self._expected_calls = list(self._calls)
         self.last_stats = ReductionStats(self.reductions + 1, len(buckets),
@@ -391,9 +395,9 @@ class Reducer:
                                          done_bytes, time.perf_counter() - t0)
 
     def _check_all_fired(self, used: torch.Tensor) -> None:
-        missing = (used == _NOT_USED).nonzero().tolist()
-        if not missing:
+        if bool(used.min() != _NOT_USED):              # the common case: one cheap check
             return
+        missing = (used == _NOT_USED).nonzero().tolist()
         by_rank: dict[int, list[str]] = {}
         for r, i in missing:
             by_rank.setdefault(r, []).append(self.names[i])
