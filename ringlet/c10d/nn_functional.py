@@ -67,14 +67,15 @@ def _tensor(t: Any, op: str, arg: str, pg: ProcessGroup, out: bool = False) -> N
     checks.tensor(t, op, arg, pg.transport.devices, out=out)
 
 
-def _tensors(ts: Any, op: str, arg: str, pg: ProcessGroup, out: bool = False) -> list[Any]:
-    """A list of one tensor per rank, each proven by the gate, all of one shape."""
+def _tensors(ts: Any, op: str, arg: str, pg: ProcessGroup, out: bool = False,
+             same_shape: bool = True) -> list[Any]:
+    """A list of one tensor per rank, each proven by the gate (and all of one shape)."""
     if not isinstance(ts, (list, tuple)):
         raise checks.fail(TypeError, op, arg, f"expected a list of {pg.size()} tensors (one per "
                           f"rank), got {type(ts).__name__}")
     checks.tensor_list(ts, op, arg, pg.size(), pg.transport.devices, out=out)
     for i, t in enumerate(ts):
-        if t.shape != ts[0].shape:
+        if same_shape and t.shape != ts[0].shape:
             raise checks.fail(ValueError, op, f"{arg}[{i}]", f"expected shape "
                               f"{tuple(ts[0].shape)} (like {arg}[0]), got {tuple(t.shape)}")
     return list(ts)
@@ -246,13 +247,10 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
         TypeError, ValueError: for an argument the collectives refuse, before anything is sent.
     """
     pg = _group(group, "all_to_all")
-    for arg, ts, out in (("output_tensor_list", output_tensor_list, True),
-                         ("input_tensor_list", input_tensor_list, False)):
-        if not isinstance(ts, (list, tuple)):
-            raise checks.fail(TypeError, "all_to_all", arg, f"expected a list of {pg.size()} "
-                              f"tensors (one per rank), got {type(ts).__name__}")
-        checks.tensor_list(ts, "all_to_all", arg, pg.size(), pg.transport.devices, out=out)
-    return fn.AllToAll.apply(pg, list(output_tensor_list), *input_tensor_list)
+    outs = _tensors(output_tensor_list, "all_to_all", "output_tensor_list", pg, out=True,
+                    same_shape=False)
+    ins = _tensors(input_tensor_list, "all_to_all", "input_tensor_list", pg, same_shape=False)
+    return fn.AllToAll.apply(pg, outs, *ins)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
