@@ -47,6 +47,7 @@ the subclass and stops at the first collective with an error that says so (``c10
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -92,12 +93,8 @@ def torch_dispatch(cls: Any, func: Any, types: Any, args: tuple[Any, ...] = (),
     """``DTensor.__torch_dispatch__`` itself (installed by ``_api``; see
     [Note: DTensor dispatch] and
     [Note: dispatch cache])."""
-    if _is_compiling():                    # torch.compile must not trace the dispatch itself
-        return _eager_dispatch(func, args, kwargs)
-    return _dispatch(func, args, kwargs)
-
-
-def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+    if _is_compiling() and not _EAGER.active:   # torch.compile must not trace the dispatch
+        return _eager_dispatch(cls, func, types, args, kwargs)
     mesh: Any = None
     key: list[Any] = [func]
     largs: list[Any] = []
@@ -145,11 +142,23 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -
 _is_compiling = torch.compiler.is_compiling
 
 
+class _Eager(threading.local):
+    active = False                      # inside _eager_dispatch on this thread
+
+
+_EAGER = _Eager()
+
+
 @torch.compiler.disable
-def _eager_dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+def _eager_dispatch(cls: Any, func: Any, types: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any] | None) -> Any:
     """The dispatch run eagerly when torch.compile's tracer reaches it: a graph break at each
     DTensor op (ringlet's DTensor ops, collectives included, are not traceable)."""
-    return _dispatch(func, args, kwargs)
+    _EAGER.active = True
+    try:
+        return torch_dispatch(cls, func, types, args, kwargs)
+    finally:
+        _EAGER.active = False
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
