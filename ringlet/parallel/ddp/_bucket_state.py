@@ -208,6 +208,10 @@ class Layout:
     def copy_in(self, i: int, p: torch.Tensor) -> None:
         """Put parameter ``i``'s gradient into its bucket (see the module docstring)."""
         g = p.grad
+        slot = self._slot_of[i]
+        if slot is not None and not self.as_view and g is not None and g.layout is _STRIDED:
+            slot.copy_(g)    # the common case: a shared bucket, whose buffer is its own
+            return
         if g is None:
             raise AssertionError(f"DDP: parameter {i} fired its gradient hook without a gradient")
         if g.layout != torch.strided:
@@ -267,6 +271,9 @@ class Layout:
     def reset_iteration(self) -> None:
         for b in self.buckets:
             b.reset()
+
+
+_STRIDED = torch.strided
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
