@@ -138,9 +138,9 @@ def _plain(t: Any, op: str, arg: str) -> torch.Tensor:
         if type(t).__name__ in _TRACING_TENSORS:
             raise fail(TypeError, op, arg, f"expected a real tensor, got a {type(t).__name__}: "
                        "torch.compile is tracing this collective, which it cannot compile "
-                       "(ringlet's collectives and DTensor are not traceable); run the module "
-                       "that communicates eagerly (e.g. compile only its submodules without "
-                       "DTensor parameters) or use torch.compile(..., backend='eager')")
+                       "(ringlet's collectives are not traceable ops; DTensor's are); call it "
+                       "outside the compiled function (e.g. in a torch.compiler.disable'd helper) "
+                       "or use torch.compile(..., backend='eager')")
         raise fail(TypeError, op, arg, f"expected a plain torch.Tensor, got the tensor subclass "
                    f"{type(t).__name__}, whose storage does not hold its values (it defines "
                    "__torch_dispatch__); pass the plain tensor that holds this rank's data")

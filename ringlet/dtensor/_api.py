@@ -187,6 +187,17 @@ class DTensor(torch.Tensor):
     def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool]]:
         return ["_local_tensor"], (self._spec, self.requires_grad)
 
+    def __coerce_same_metadata_as_tangent__(self, expected: tuple[DTensorSpec, bool],
+                                            expected_type: Any = None) -> DTensor | None:
+        """torch.compile's AOT autograd: the gradient fed to a compiled backward must have the
+        layout it was traced with; redistribute it there (``None``: not a DTensor wanted)."""
+        if expected_type is not None:
+            return None
+        spec = expected[0]
+        if spec.placements == self._spec.placements:
+            return self
+        return self.redistribute(spec.mesh, spec.placements)
+
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: tuple[DTensorSpec, bool],
                              outer_size: Any, outer_stride: Any) -> DTensor:

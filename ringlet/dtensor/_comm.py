@@ -15,7 +15,7 @@ import torch
 
 from ringlet.c10d import collectives as C
 from ringlet.c10d.group import ProcessGroup
-from ringlet.dtensor import _shard_math, debug
+from ringlet.dtensor import _shard_math, _traceable, debug
 from ringlet.dtensor.placements import Partial
 from ringlet.mesh import DeviceMesh
 
@@ -46,8 +46,11 @@ def all_gather(t: torch.Tensor, mesh: DeviceMesh, axis: int, dim: int,
     # even and in rank order: one flat buffer
     if len(set(sizes)) == 1 and order == sorted(order):
         out = moved.new_empty([sizes[0] * len(sizes)] + rest)
-        C.all_gather_into_tensor(out, moved, group=pg)
-        return out.movedim(0, dim)
+        return _traceable.all_gather(out, moved, pg).movedim(0, dim)
+    if _traceable.tracing(moved):
+        raise NotImplementedError(
+            f"torch.compile: an all-gather of uneven shards {sizes} (or over a mesh line whose "
+            "ranks are out of order) is not traceable; shard evenly, or run this op eagerly")
     by_group = [moved.new_empty([0] + rest)] * len(sizes)
     for c, g in enumerate(order):
         by_group[g] = moved.new_empty([sizes[c]] + rest)
@@ -72,7 +75,7 @@ def reduce_scatter(t: torch.Tensor, mesh: DeviceMesh, axis: int, dim: int,
         off = _shard_math.chunk_offset(moved.shape[0], n, c)
         pieces[g] = _shard_math.pad_dim(moved.narrow(0, off, sizes[c]), 0, full)
     out = moved.new_empty([full] + list(moved.shape[1:]))
-    C.reduce_scatter_tensor(out, torch.cat(pieces, 0), op=partial.c10d_op(), group=pg)
+    out = _traceable.reduce_scatter(out, torch.cat(pieces, 0), partial.c10d_op(), pg)
     return partial.after_reduce(out.narrow(0, 0, sizes[me]), t.dtype).movedim(0, dim).contiguous()
 
 
@@ -82,7 +85,7 @@ def all_reduce(t: torch.Tensor, mesh: DeviceMesh, axis: int, partial: Partial) -
     debug.record("all_reduce")
     buf = partial.before_reduce(t)
     buf = buf.clone(memory_format=torch.contiguous_format) if buf is t else buf.contiguous()
-    C.all_reduce(buf, op=partial.c10d_op(), group=pg)
+    buf = _traceable.all_reduce(buf, partial.c10d_op(), pg)
     return partial.after_reduce(buf, t.dtype)
 
 
@@ -110,8 +113,7 @@ def all_to_all(t: torch.Tensor, mesh: DeviceMesh, axis: int, src_dim: int, dst_d
     in_splits = [s.numel() for s in send]
     out_splits = [_numel(s) for s in recv_shapes]
     out = t.new_empty(sum(out_splits))
-    C.all_to_all_single(out, torch.cat(send), output_split_sizes=out_splits,
-                        input_split_sizes=in_splits, group=pg)
+    out = _traceable.all_to_all_single(out, torch.cat(send), out_splits, in_splits, pg)
     parts = out.split(out_splits)
     return torch.cat([parts[g].view(recv_shapes[g]) for g in order], src_dim)
 
@@ -121,8 +123,7 @@ def broadcast(t: torch.Tensor, mesh: DeviceMesh, axis: int, src_coord: int) -> t
     pg = _group(mesh, axis)
     debug.record("broadcast")
     buf = t.detach().clone(memory_format=torch.contiguous_format)
-    C.broadcast(buf, group=pg, group_src=mesh._group_rank_of(axis, src_coord))
-    return buf
+    return _traceable.broadcast(buf, mesh._group_rank_of(axis, src_coord), pg)
 
 
 def _numel(shape: list[int]) -> int:

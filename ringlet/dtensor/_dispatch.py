@@ -39,10 +39,12 @@ plain tensor (adopted as Replicate), arguments that do not hash, and ops in
 Outputs of the replicate fallback take their shape from the local result on every
 call (data-dependent ops such as ``nonzero`` run there).
 
-Under torch.compile the dispatch is never traced: when dynamo's tracer reaches it, it runs
-eagerly (``_eager_dispatch``, compiler-disabled), and the styles' and fully_shard's hooks are
-disabled likewise.  So ``backend="eager"`` works; AOT autograd still traces the ops through
-the subclass and stops at the first collective with an error that says so (``c10d/checks``).
+Under torch.compile dynamo does not trace this dispatch: when its tracer reaches it, it runs
+eagerly (``_eager_dispatch``, compiler-disabled) on the tracer's fake local tensors, and the
+styles' and fully_shard's hooks are disabled likewise.  AOT autograd then traces the DTensor
+ops through the subclass (``__tensor_flatten__``), running this dispatch on functional
+tensors; the collectives it meets are recorded as custom ops ([Note: traceable collectives]
+in ``_traceable.py``).
 """
 
 from __future__ import annotations

@@ -78,6 +78,7 @@ class DeviceMesh:
                world_rank: int) -> None:
         self._device_type = device_type
         self._mesh = ranks
+        self._ranks_list = ranks.tolist()    # the same as nested lists: read without torch ops
         self._names = names
         self._root = self if root is None else root
         self._axes = axes
@@ -182,9 +183,13 @@ class DeviceMesh:
         pg = self._groups[axis]
         if pg is None or self._coord is None:
             raise ValueError(f"rank {self._world_rank} is not part of {self!r}")
-        others = tuple(c for a, c in enumerate(self._coord) if a != axis)
-        line = self._mesh.movedim(axis, -1)[others]
-        return pg.ranks.index(int(line[coord]))
+        # plain lists, no torch op: torch.compile's tracers may call this under a fake mode
+        where = list(self._coord)
+        where[axis] = coord
+        rank: Any = self._ranks_list
+        for c in where:
+            rank = rank[c]
+        return pg.ranks.index(int(rank))
 
     def _axis(self, mesh_dim: int | str | None, op: str = "size") -> int:
         if mesh_dim is None:
