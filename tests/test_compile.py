@@ -3,6 +3,8 @@ uncompiled process (the wrappers' own steps run eagerly, the module is compiled)
 
 from __future__ import annotations
 
+import shutil
+
 import _compile_workers as W
 import pytest
 
@@ -19,11 +21,17 @@ def test_compiled_ddp_and_fully_shard_train_like_one_process() -> None:
         assert set(got) == set(HOWS) and all(d < 1e-6 for d in got.values()), got
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+INDUCTOR = pytest.param("inductor", marks=pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="inductor needs a C++ compiler"))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", INDUCTOR])
 def test_tensor_parallel_compiles_and_trains_like_one_process(backend: str) -> None:
     """The styles' hooks run eagerly; DTensor's collectives are traced as ringlet's custom ops
-    (aot_eager: AOT autograd as inductor uses it, forward and backward graphs)."""
-    for diff in raise_first(run_world(2, W.tensor_parallel, backend, timeout=110,
-                                      op_timeout=60)):
+    (aot_eager: AOT autograd as inductor uses it, forward and backward graphs; inductor: those
+    graphs compiled to C++, the collectives called from them)."""
+    for diff in raise_first(run_world(2, W.tensor_parallel, backend, timeout=230,
+                                      op_timeout=120)):
         assert diff < 1e-6, diff
