@@ -98,6 +98,8 @@ def worker(impl: str, strategy: str) -> None:
             for layer in model.model.layers:
                 m["fully_shard"](layer, mesh=mesh["dp"])
             m["fully_shard"](model, mesh=mesh["dp"])
+    backend = os.environ.get("HF_PARITY_COMPILE")
+    forward = torch.compile(model, backend=backend) if backend else model
     # Plain and DTensor parameters mix under TP alone, which foreach kernels and the global norm
     # refuse (torch as ringlet): per-parameter AdamW there, no clipping.
     data_parallel = strategy in ("ddp", "fsdp")
@@ -107,7 +109,7 @@ def worker(impl: str, strategy: str) -> None:
         ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(100 + step))
         per = 4 // dp_size
         local = ids[dp_rank * per:(dp_rank + 1) * per]
-        loss = model(input_ids=local, labels=local).loss
+        loss = forward(input_ids=local, labels=local).loss
         loss.backward()
         if data_parallel:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -121,7 +123,8 @@ def worker(impl: str, strategy: str) -> None:
     dist.destroy_process_group()
 
 
-def _run(impl: str, strategy: str, timeout: float) -> list[float] | str:
+def _run(impl: str, strategy: str, timeout: float,
+         compile_backend: str | None = None) -> list[float] | str:
     n = STRATEGIES[strategy]
     launcher = ([sys.executable, "-m", "torch.distributed.run"] if impl == "torch"
                 else [sys.executable, "-m", "ringlet.distributed.run"])
@@ -131,8 +134,11 @@ def _run(impl: str, strategy: str, timeout: float) -> list[float] | str:
     cmd = launcher + ["--nproc-per-node", str(n), "--master-addr", "127.0.0.1", "--master-port",
                       str(port), __file__, "--worker", impl, strategy]
     try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if compile_backend:
+            env["HF_PARITY_COMPILE"] = compile_backend
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              env=env)
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout:.0f} s"
     found = re.search(r"LOSSES ([-\d. ]+)", proc.stdout)
@@ -150,6 +156,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--compile", metavar="BACKEND", default=None,
+                    help="run the model's forward through torch.compile(backend=BACKEND) on both "
+                         "stacks (e.g. inductor, aot_eager)")
     ap.add_argument("--worker", nargs=2, metavar=("IMPL", "STRATEGY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -160,12 +169,14 @@ def main() -> int:
     except ImportError:
         print("transformers is not installed (pip install transformers): nothing checked")
         return 2
-    print(f"transformers {transformers.__version__}")
+    print(f"transformers {transformers.__version__}"
+          + (f", torch.compile(backend={args.compile!r})" if args.compile else ""))
     ok = True
     for strategy in args.strategies.split(","):
         if strategy not in STRATEGIES:
             ap.error(f"--strategies: expected names from {sorted(STRATEGIES)}, got {strategy!r}")
-        ref, got = _run("torch", strategy, args.timeout), _run("ringlet", strategy, args.timeout)
+        ref = _run("torch", strategy, args.timeout, args.compile)
+        got = _run("ringlet", strategy, args.timeout, args.compile)
         same = (isinstance(ref, list) and isinstance(got, list) and len(ref) == len(got)
                 and all(abs(a - b) <= 1e-5 for a, b in zip(ref, got)))
         ok &= same
