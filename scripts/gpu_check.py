@@ -304,6 +304,46 @@ def step_time(rank: int, n: int, strategy: str, engine: str, device: str = GPU) 
     return (time.perf_counter() - t0) / 20
 
 
+def peak_memory(rank: int, n: int, device: str = GPU) -> int:
+    """Bytes this rank holds at its peak over 3 AdamW steps of a fully_shard MLP (1024 wide, 8
+    deep): ``torch.cuda.max_memory_allocated`` on a GPU (each process has its own allocator, so
+    2 ranks sharing the GPU are measured apart); in the rehearsal, the stand-in is what sharding
+    divides: this rank's parameter shards, their gradients and the optimizer state."""
+    from ringlet.distributed.fsdp import fully_shard
+
+    model = _model(device, width=1024, depth=8)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if _on_gpu(device):
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(torch.device(device))
+    for step in range(3):
+        x, y = _batch(step, 8, device, width=1024)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    if _on_gpu(device):
+        _sync(device)
+        return int(torch.cuda.max_memory_allocated(torch.device(device)))
+    held = [p.to_local() for p in model.parameters()]
+    held += [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+    held += [v.to_local() for st in opt.state.values() for v in st.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return sum(t.numel() * t.element_size() for t in held)
+
+
+def _memory(me: Any, device: str) -> str:
+    one = _world(1, me.peak_memory, device, backend="nccl")[0]
+    two = max(_world(2, me.peak_memory, device, backend="gloo"))
+    line = f"peak per rank: 1 rank {one / 2**20:.1f} MiB, 2 ranks {two / 2**20:.1f} MiB " \
+           f"({two / one:.2f}x)"
+    _check(two <= 0.75 * one, line + ": expected 2 ranks to hold at most 0.75x of 1 rank")
+    return line
+
+
 # --- the rows -------------------------------------------------------------------------------
 
 def _world(n: int, fn: Callable, *args: Any, backend: str) -> Any:
@@ -360,6 +400,7 @@ def rows(me: Any, steps: int, max_ratio: float,
                 lambda: _world(2, me.tp_train, 1, steps, device, backend="gloo")[0][-1]))
     two_d = f"fully_shard + tensor parallel 2x2 {steps} steps staged 4 ranks vs single process"
     out.append((two_d, lambda: _world(4, me.tp_train, 2, steps, device, backend="gloo")[0][-1]))
+    out.append(("fully_shard memory per rank falls with 2 ranks", lambda: _memory(me, device)))
     for strategy in ("ddp", "fully_shard"):
         out.append((f"speed {strategy} vs torch (1 rank nccl)",
                     lambda st=strategy: _speed(me, st, max_ratio, device)))
