@@ -304,6 +304,28 @@ def step_time(rank: int, n: int, strategy: str, engine: str, device: str = GPU) 
     return (time.perf_counter() - t0) / 20
 
 
+def collective_time(rank: int, n: int, engine: str, device: str = GPU) -> float:
+    """Seconds per ``all_reduce`` of 1024 floats on one rank (after warm-up, the GPU drained at
+    the end): what a collective costs above its kernel.  ``engine="torch"``: torch's own
+    process group (NCCL on a GPU, gloo in the rehearsal), made here."""
+    if engine == "torch":
+        import torch.distributed as dist
+        bound = {"device_id": torch.device(device)} if _on_gpu(device) else {}
+        dist.init_process_group("nccl" if _on_gpu(device) else "gloo",
+                                init_method=f"file://{os.environ['GPU_CHECK_FILE']}",
+                                rank=0, world_size=1, **bound)
+    else:
+        import ringlet.distributed as dist
+    t = _to(torch.ones(1024), device)
+    for i in range(1100):
+        if i == 100:
+            _sync(device)
+            t0 = time.perf_counter()
+        dist.all_reduce(t)
+    _sync(device)
+    return (time.perf_counter() - t0) / 1000
+
+
 def peak_memory(rank: int, n: int, device: str = GPU) -> int:
     """Bytes this rank holds at its peak over 3 AdamW steps of a fully_shard MLP (1024 wide, 8
     deep): ``torch.cuda.max_memory_allocated`` on a GPU (each process has its own allocator, so
@@ -350,6 +372,19 @@ def _world(n: int, fn: Callable, *args: Any, backend: str) -> Any:
     from ringlet.testing.procs import raise_first, run_world
 
     return raise_first(run_world(n, fn, *args, backend=backend, timeout=150, op_timeout=60))
+
+
+def _overhead(me: Any, max_us: float, device: str) -> str:
+    theirs = _torch_baseline("all_reduce", device)
+    ours = _world(1, me.collective_time, "ringlet", device, backend="nccl")[0]
+    extra = (ours - theirs) * 1e6
+    line = (f"all_reduce of 1024 floats: ringlet {ours * 1e6:.1f} us, torch {theirs * 1e6:.1f} us, "
+            f"{extra:+.1f} us")
+    if not _on_gpu(device):
+        return line + f" (rehearsal on the CPU: torch's gloo; the limit {max_us} us is not checked)"
+    line += f" (limit +{max_us} us)"
+    _check(extra <= max_us, line)
+    return line
 
 
 def _torch_baseline(strategy: str, device: str) -> float:
@@ -401,6 +436,8 @@ def rows(me: Any, steps: int, max_ratio: float,
     two_d = f"fully_shard + tensor parallel 2x2 {steps} steps staged 4 ranks vs single process"
     out.append((two_d, lambda: _world(4, me.tp_train, 2, steps, device, backend="gloo")[0][-1]))
     out.append(("fully_shard memory per rank falls with 2 ranks", lambda: _memory(me, device)))
+    out.append(("adapter overhead per all_reduce vs torch's NCCL (1 rank)",
+                lambda: _overhead(me, 5.0, device)))
     for strategy in ("ddp", "fully_shard"):
         out.append((f"speed {strategy} vs torch (1 rank nccl)",
                     lambda st=strategy: _speed(me, st, max_ratio, device)))
@@ -438,7 +475,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rehearse", action="store_true",
                     help="run every row on the CPU instead: checks this script, not the GPU "
                     "(the speed rows report their ratio without checking it)")
-    ap.add_argument("--torch-baseline", choices=("ddp", "fully_shard"), help=argparse.SUPPRESS)
+    ap.add_argument("--torch-baseline", choices=("ddp", "fully_shard", "all_reduce"),
+                    help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -452,7 +490,9 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
 
         os.environ["GPU_CHECK_FILE"] = os.path.join(tempfile.mkdtemp(), "store")
-        print(json.dumps({"seconds": step_time(0, 1, args.torch_baseline, "torch", device)}))
+        seconds = (collective_time(0, 1, "torch", device) if args.torch_baseline == "all_reduce"
+                   else step_time(0, 1, args.torch_baseline, "torch", device))
+        print(json.dumps({"seconds": seconds}))
         return 0
     sys.path.insert(0, HERE)
     # the rank bodies pickle as gpu_check.<name>, importable in run_world's children

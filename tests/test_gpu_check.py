@@ -92,6 +92,7 @@ def test_the_rehearsal_has_the_gpu_rows_and_names() -> None:
         "tensor parallel 10 steps staged 2 ranks vs single process",
         "fully_shard + tensor parallel 2x2 10 steps staged 4 ranks vs single process",
         "fully_shard memory per rank falls with 2 ranks",
+        "adapter overhead per all_reduce vs torch's NCCL (1 rank)",
         "speed ddp vs torch (1 rank nccl)", "speed fully_shard vs torch (1 rank nccl)"]
 
 
