@@ -31,7 +31,10 @@ INDUCTOR = pytest.param("inductor", marks=pytest.mark.skipif(
 def test_tensor_parallel_compiles_and_trains_like_one_process(backend: str) -> None:
     """The styles' hooks run eagerly; DTensor's collectives are traced as ringlet's custom ops
     (aot_eager: AOT autograd as inductor uses it, forward and backward graphs; inductor: those
-    graphs compiled to C++, the collectives called from them)."""
-    for diff in raise_first(run_world(2, W.tensor_parallel, backend, timeout=230,
-                                      op_timeout=120)):
-        assert diff < 1e-6, diff
+    graphs compiled to C++, the collectives called from them; run twice, so that the second
+    world's processes take the graphs from torch's compile cache: the groups they name must
+    resolve there too)."""
+    for _ in range(2 if backend == "inductor" else 1):
+        for diff in raise_first(run_world(2, W.tensor_parallel, backend, timeout=230,
+                                          op_timeout=120)):
+            assert diff < 1e-6, diff

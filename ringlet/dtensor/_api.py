@@ -20,6 +20,7 @@ layout is the checkpoint layer's job.
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Sequence
 from typing import Any, Self
 
@@ -186,6 +187,19 @@ class DTensor(torch.Tensor):
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool]]:
         return ["_local_tensor"], (self._spec, self.requires_grad)
+
+    def _stable_hash_for_caching(self) -> str:
+        """torch.compile's cache key for this DTensor: its layout, its local piece and *this
+        rank* (a compiled graph may hold rank-specific constants, so ranks never share a cached
+        graph; [Note: traceable collectives] in ``_traceable.py``)."""
+        s, mesh, local = self._spec, self._spec.mesh, self._local_tensor
+        groups = [getattr(g, "group_name", None) for g in getattr(mesh, "_groups", ())]
+        payload = repr((tuple(s.shape), tuple(s.stride), tuple(map(str, s.placements)),
+                        str(self.dtype), self.device.type, self.requires_grad,
+                        tuple(local.shape), tuple(local.stride()), mesh.device_type,
+                        getattr(mesh, "_ranks_list", None), mesh.mesh_dim_names,
+                        mesh.get_coordinate(), getattr(mesh, "_world_rank", None), groups))
+        return hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()
 
     def __coerce_same_metadata_as_tangent__(self, expected: tuple[DTensorSpec, bool],
                                             expected_type: Any = None) -> DTensor | None:

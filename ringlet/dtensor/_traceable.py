@@ -7,9 +7,13 @@ tensors are stand-ins (``FakeTensor``, ``FunctionalTensor``) that hold no data, 
 collective cannot be recorded.  Then ``_comm`` calls these custom ops instead: functional (a new
 tensor out, the input untouched), with a fake kernel that only gives the output's shape, so the
 tracer records one node per collective in the graph; when the compiled graph runs, the node calls
-the real kernel, which runs ringlet's collective on real tensors.  The group travels as an int
-key of :data:`_GROUPS` (a graph holds no Python objects as arguments): each rank compiles its own
-graph, with its own groups' keys.
+the real kernel, which runs ringlet's collective on real tensors.  The group travels as its
+``group_name`` (a graph holds no Python objects as arguments), resolved among the groups of the
+calling thread's world when the graph runs: names are given in creation order, the same on every
+rank and in every run of the same script, so a graph that torch's compile cache brings back from
+an earlier process finds the same group.  A compiled graph may hold rank-specific constants (a
+coordinate, split sizes), so DTensor's cache key names the rank
+(``DTensor._stable_hash_for_caching``): ranks never share a cached graph.
 
 What is traced: the even, rank-ordered all-gather, reduce-scatter and all-reduce, the
 all-to-all and the broadcast of ``_comm``; an uneven all-gather over a mesh line whose ranks are
@@ -20,7 +24,6 @@ collectives eagerly.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -28,13 +31,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ringlet.c10d import collectives as C
+from ringlet.c10d import world as _world
 from ringlet.c10d.group import ProcessGroup
 from ringlet.c10d.reduce_op import ReduceOp
 
 __all__ = ["all_gather", "all_reduce", "all_to_all_single", "broadcast", "reduce_scatter",
            "tracing"]
 
-_GROUPS: weakref.WeakValueDictionary[int, ProcessGroup] = weakref.WeakValueDictionary()
 _OPS = {"sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "max": ReduceOp.MAX, "min": ReduceOp.MIN,
         "product": ReduceOp.PRODUCT}
 
@@ -44,17 +47,18 @@ def tracing(t: torch.Tensor) -> bool:
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
-def _key(pg: ProcessGroup) -> int:
-    _GROUPS[id(pg)] = pg
-    return id(pg)
+def _key(pg: ProcessGroup) -> str:
+    return pg.group_name
 
 
-def _group(key: int) -> ProcessGroup:
-    pg = _GROUPS.get(key)
-    if pg is None:
-        raise RuntimeError("a compiled graph ran a DTensor collective on a process group that no "
-                           "longer exists (destroyed after compiling); compile the model again")
-    return pg
+def _group(name: str) -> ProcessGroup:
+    w = _world.current_world(required=False)
+    for pg in (w.groups if w is not None else ()):
+        if pg.group_name == name:
+            return pg
+    raise RuntimeError(f"a compiled graph ran a DTensor collective on process group {name!r}, "
+                       "which this process does not have (destroyed after compiling, or a graph "
+                       "compiled for a job with other groups); compile the model again")
 
 
 def _op_name(op: Any) -> str:
@@ -67,44 +71,44 @@ def _op_name(op: Any) -> str:
 
 # -- the custom ops -------------------------------------------------------------------------------
 @torch.library.custom_op("ringlet::all_reduce", mutates_args=())
-def _all_reduce(t: torch.Tensor, op: str, group: int) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, op: str, group: str) -> torch.Tensor:
     out = t.clone(memory_format=torch.contiguous_format)
     C.all_reduce(out, op=_OPS[op], group=_group(group))
     return out
 
 
 @_all_reduce.register_fake
-def _(t: torch.Tensor, op: str, group: int) -> torch.Tensor:
+def _(t: torch.Tensor, op: str, group: str) -> torch.Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("ringlet::all_gather", mutates_args=())
-def _all_gather(t: torch.Tensor, world: int, group: int) -> torch.Tensor:
+def _all_gather(t: torch.Tensor, world: int, group: str) -> torch.Tensor:
     out = t.new_empty([world * t.shape[0], *t.shape[1:]])
     C.all_gather_into_tensor(out, t.contiguous(), group=_group(group))
     return out
 
 
 @_all_gather.register_fake
-def _(t: torch.Tensor, world: int, group: int) -> torch.Tensor:
+def _(t: torch.Tensor, world: int, group: str) -> torch.Tensor:
     return t.new_empty([world * t.shape[0], *t.shape[1:]])
 
 
 @torch.library.custom_op("ringlet::reduce_scatter", mutates_args=())
-def _reduce_scatter(t: torch.Tensor, op: str, world: int, group: int) -> torch.Tensor:
+def _reduce_scatter(t: torch.Tensor, op: str, world: int, group: str) -> torch.Tensor:
     out = t.new_empty([t.shape[0] // world, *t.shape[1:]])
     C.reduce_scatter_tensor(out, t.contiguous(), op=_OPS[op], group=_group(group))
     return out
 
 
 @_reduce_scatter.register_fake
-def _(t: torch.Tensor, op: str, world: int, group: int) -> torch.Tensor:
+def _(t: torch.Tensor, op: str, world: int, group: str) -> torch.Tensor:
     return t.new_empty([t.shape[0] // world, *t.shape[1:]])
 
 
 @torch.library.custom_op("ringlet::all_to_all_single", mutates_args=())
 def _all_to_all_single(t: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                       group: int) -> torch.Tensor:
+                       group: str) -> torch.Tensor:
     out = t.new_empty([sum(out_splits), *t.shape[1:]])
     C.all_to_all_single(out, t.contiguous(), output_split_sizes=out_splits,
                         input_split_sizes=in_splits, group=_group(group))
@@ -113,19 +117,19 @@ def _all_to_all_single(t: torch.Tensor, out_splits: list[int], in_splits: list[i
 
 @_all_to_all_single.register_fake
 def _(t: torch.Tensor, out_splits: list[int], in_splits: list[int],
-      group: int) -> torch.Tensor:
+      group: str) -> torch.Tensor:
     return t.new_empty([sum(out_splits), *t.shape[1:]])
 
 
 @torch.library.custom_op("ringlet::broadcast", mutates_args=())
-def _broadcast(t: torch.Tensor, src: int, group: int) -> torch.Tensor:
+def _broadcast(t: torch.Tensor, src: int, group: str) -> torch.Tensor:
     out = t.clone(memory_format=torch.contiguous_format)
     C.broadcast(out, group=_group(group), group_src=src)
     return out
 
 
 @_broadcast.register_fake
-def _(t: torch.Tensor, src: int, group: int) -> torch.Tensor:
+def _(t: torch.Tensor, src: int, group: str) -> torch.Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
