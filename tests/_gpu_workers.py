@@ -226,3 +226,33 @@ def fsdp_amp_vs_local(rank: int, n: int) -> str:
         torch.testing.assert_close(a.full_tensor(), b, rtol=1e-2, atol=1e-3,
                                    msg=f"rank {rank}: {name}")
     return "ok"
+
+
+def fsdp_mixed_precision(rank: int, n: int, device_type: str = "cuda") -> str:
+    """fully_shard with MixedPrecisionPolicy(bf16 params, fp32 reduce) on ``device_type``:
+    forward computes in bf16 (the unsharded weights seen by the layers are bf16), sharded
+    parameters and their gradients stay fp32, and the trained parameters follow fp32 training of
+    the same model in one process within bf16's precision."""
+    from ringlet.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device = _device(device_type)
+    local = _model(device)
+    sharded = copy.deepcopy(local)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    seen: list[torch.dtype] = []
+    for layer in sharded:
+        if isinstance(layer, nn.Linear):
+            layer.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+            fully_shard(layer, mp_policy=mp)
+    fully_shard(sharded, mp_policy=mp)
+    _train(sharded, _batches(n, device), rank, n)
+    _train(local, _batches(n, device), 0, 1)          # the whole batch in one process, fp32
+    for (name, a), b in zip(sharded.named_parameters(), local.parameters()):
+        torch.testing.assert_close(a.full_tensor(), b, rtol=2e-2, atol=1e-2,
+                                   msg=f"rank {rank}: {name}")
+    assert set(seen) == {torch.bfloat16}, seen
+    for p in sharded.parameters():
+        shard, grad = p.to_local(), p.grad.to_local()
+        assert shard.dtype == grad.dtype == torch.float32, (shard.dtype, grad.dtype)
+        assert shard.device.type == grad.device.type == device.type, (shard.device, grad.device)
+    return "ok"

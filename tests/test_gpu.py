@@ -436,6 +436,23 @@ def test_fully_shard_one_rank_on_cuda_matches_single_process(how: str) -> None:
 @NEEDS_CUDA
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend, n", [("nccl", 1), ("gloo", 2)], ids=["nccl-1", "staged-2"])
+def test_fully_shard_mixed_precision_on_cuda(backend: str, n: int) -> None:
+    """MixedPrecisionPolicy on the GPU: bf16 compute, fp32 shards and reduce-scatter."""
+    assert raise_first(run_world(n, _gpu_workers.fsdp_mixed_precision, backend=backend,
+                                 timeout=100)) == ["ok"] * n
+
+
+@pytest.mark.timeout(60)
+def test_the_mixed_precision_worker_holds_on_the_cpu() -> None:
+    """Its CPU twin (bf16 on the CPU, 2 ranks), so that the GPU run checks the GPU, not the
+    test."""
+    assert raise_first(run_world(2, _gpu_workers.fsdp_mixed_precision, "cpu",
+                                 timeout=50)) == ["ok"] * 2
+
+
+@NEEDS_CUDA
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend, n", [("nccl", 1), ("gloo", 2)], ids=["nccl-1", "staged-2"])
 def test_fully_shard_with_float16_autocast_grad_scaler_and_fused_adamw(backend: str,
                                                                        n: int) -> None:
     assert raise_first(run_world(n, _gpu_workers.fsdp_amp_vs_local, backend=backend,
