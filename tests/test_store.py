@@ -168,6 +168,27 @@ def test_basic_ops(make_store: StoreMaker) -> None:
         store.multi_set(["x", "y"], ["1"])
 
 
+@pytest.mark.timeout(60)
+def test_more_keys_than_one_frame_holds(make_store: StoreMaker) -> None:
+    # 70000 keys exceed the 65536 arguments of one TCPStore frame: the client splits them.
+    store = make_store()
+    keys = [f"k{i}" for i in range(70000)]
+    store.multi_set(keys, [str(i) for i in range(70000)])
+    got = store.multi_get(keys)
+    assert len(got) == 70000 and got[0] == b"0" and got[-1] == b"69999" and got[65536] == b"65536"
+    assert store.check(keys) and not store.check([*keys, "absent"])
+    store.wait(keys, timedelta(seconds=30))
+    assert store.get("k69999") == b"69999"
+
+
+def test_requests_split_by_argument_count_and_bytes() -> None:
+    big = b"x" * (40 << 20)   # two 40 MiB values cannot share one 65 MiB request
+    assert P.split_args([b"a", big, b"b", big], 2) == [(0, 1), (1, 2)]
+    n = P.MAX_ARGS
+    assert P.split_args([b"k"] * (n + 1), 1) == [(0, n), (n, n + 1)]
+    assert P.split_args([], 1) == []
+
+
 @pytest.mark.timeout(10)
 def test_add_counters(make_store: StoreMaker) -> None:
     store = make_store()

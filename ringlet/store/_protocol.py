@@ -128,6 +128,26 @@ def decode_payload(payload: bytes | bytearray | memoryview) -> tuple[int, list[b
     return code, args
 
 
+def split_args(args: list[bytes], group: int) -> list[tuple[int, int]]:
+    """Split a request's arguments into frames the server accepts: at most ``MAX_ARGS``
+    arguments and ``MAX_REQUEST_BYTES`` bytes each, never splitting a group of ``group``
+    consecutive arguments (a key and its value).  Returns ``[lo, hi)`` ranges in *groups*, so
+    a caller indexes its keys with them; a store op of 70000 keys becomes two requests.
+    """
+    budget = MAX_REQUEST_BYTES - PAYLOAD_HEAD.size - FRAME_LEN.size
+    out: list[tuple[int, int]] = []
+    lo = count = size = 0
+    for g in range(len(args) // group):
+        cost = sum(ARG_LEN.size + len(a) for a in args[g * group : (g + 1) * group])
+        if g > lo and (count + group > MAX_ARGS or size + cost > budget):
+            out.append((lo, g))
+            lo, count, size = g, 0, 0
+        count, size = count + group, size + cost
+    if len(args) // group > lo:
+        out.append((lo, len(args) // group))
+    return out
+
+
 class FrameReader:
     """Incremental frame splitter for the non-blocking server (caps checked first)."""
 

@@ -343,14 +343,18 @@ class TCPStore(Store):
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         keys = check_keys(keys)
-        if not keys:
-            return []
-        return self._call(P.Op.MULTI_GET, [self._k(k) for k in keys], self._timeout_s, keys)
+        raw, out = [self._k(k) for k in keys], []
+        deadline = time.monotonic() + self._timeout_s
+        for lo, hi in P.split_args(raw, 1):
+            wait_s = max(deadline - time.monotonic(), 0.001)   # one deadline for all batches
+            out += self._call(P.Op.MULTI_GET, raw[lo:hi], wait_s, keys[lo:hi])
+        return out
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         keys, raw = check_pairs(keys, values)
         args = [x for k, v in zip(keys, raw, strict=True) for x in (self._k(k), self._v(v))]
-        self._call(P.Op.MULTI_SET, args)
+        for lo, hi in P.split_args(args, 2):   # atomic per batch of up to MAX_ARGS / 2 keys
+            self._call(P.Op.MULTI_SET, args[2 * lo : 2 * hi])
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call(P.Op.ADD, [self._k(key), str(int(amount)).encode()])[0])
@@ -366,12 +370,14 @@ class TCPStore(Store):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         keys = check_keys(keys)
-        if keys:
-            self._call(P.Op.WAIT, [self._k(k) for k in keys], self._wait_seconds(timeout), keys)
+        raw, deadline = [self._k(k) for k in keys], time.monotonic() + self._wait_seconds(timeout)
+        for lo, hi in P.split_args(raw, 1):
+            wait_s = max(deadline - time.monotonic(), 0.001)
+            self._call(P.Op.WAIT, raw[lo:hi], wait_s, keys[lo:hi])
 
     def check(self, keys: list[str]) -> bool:
-        keys = check_keys(keys)
-        return not keys or self._call(P.Op.CHECK, [self._k(k) for k in keys])[0] == b"1"
+        raw = [self._k(k) for k in check_keys(keys)]
+        return all(self._call(P.Op.CHECK, raw[lo:hi])[0] == b"1" for lo, hi in P.split_args(raw, 1))
 
     def delete_key(self, key: str) -> bool:
         return self._call(P.Op.DELETE, [self._k(key)])[0] == b"1"
