@@ -12,11 +12,28 @@ about DTensors:
 - a forward pre-hook registers, in their place, DTensors rebuilt around those local
   parameters (:func:`~ringlet.parallel._data_parallel_utils._unflatten_tensor`), so the model
   computes with DTensors and their gradients land in the local parameters' ``.grad``;
-- a forward hook registers the local parameters again, so ``parameters()``, optimizers and
-  ``state_dict()`` outside forward see the same objects as DDP;
+- a forward hook registers, outside forward, the module's DTensor parameters again (the
+  objects it had before the transform, sharing storage with the local parameters), so the
+  module reads as the tensor-parallel model it is: ``named_parameters()`` gives DTensors of the
+  global shape, and after each backward their ``.grad`` is the DTensor of the local gradient
+  DDP reduced (same storage).  A ``.grad`` set or cleared on the DTensor parameter (an
+  optimizer built over them, ``zero_grad``) reaches the local parameter at the next forward;
+  the local parameters (the objects DDP and an optimizer built before the first forward hold)
+  stay valid throughout (see below);
 - ``state_dict()`` returns those entries as DTensors (sharing the local storage), and
   ``load_state_dict`` takes DTensors or full tensors for them, so checkpoints hold the 2-d
   layout.
+
+What the module holds after forward, here and under torch: torch's transform registers the
+rebuilt DTensors as plain attributes before forward, and its forward hook then finds no DTensor
+parameter to localise: after the first forward the module's ``named_parameters()`` no longer
+lists the tensor-parallel weights at all (``state_dict()`` loses them, an optimizer built then
+silently skips them), while ``module.net1.weight`` reads as a DTensor of the global shape with
+no gradient. ringlet keeps what a caller can see of that state -- attribute reads give DTensors
+of the global shape -- and keeps them listed: they are the module's original DTensor parameters,
+whose gradients mirror the local ones. A test comparing ``named_parameters()`` and their
+gradients with a dense one-process model therefore compares every tensor-parallel weight, where
+under torch it compares none.
 
 :class:`DistributedDataParallel` applies the transform by itself when the module has DTensor
 parameters (torch does it when ``device_mesh`` is a slice of a larger mesh), after checking
@@ -85,16 +102,17 @@ def _registered(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
 
 def _reconstruct_dtensor(module: nn.Module, _input: Any = None) -> None:
     """Forward pre-hook: register DTensors rebuilt around the local parameters (see
-    the module docstring)."""
+    the module docstring), after taking over a gradient set on the DTensor parameters."""
     built: dict[int, torch.Tensor] = {}
     updates = []
     for m, name, t in _registered(module):
-        local = getattr(t, "_dp_local", t)         # a DTensor left by a forward that raised
+        local = getattr(t, "_dp_local", t)         # a DTensor parameter or a rebuilt one
         spec = getattr(local, "_st_info", None)
         if spec is None:
             continue
         dt = built.get(id(local))
         if dt is None:
+            _pull_grad(local)
             dt = built[id(local)] = _unflatten_tensor(local, spec)
             dt._dp_local = local  # type: ignore[attr-defined]
         updates.append((m, name, dt))
@@ -125,6 +143,17 @@ def _localize_dtensor(module: nn.Module, *_: Any,
     _update_module_param(updates)
 
 
+def _restore_dtensor_params(module: nn.Module, *_: Any) -> None:
+    """Forward hook: register the DTensor parameters (views of the local ones) in place of the
+    DTensors rebuilt for forward."""
+    updates = []
+    for m, name, t in _registered(module):
+        view = getattr(getattr(t, "_dp_local", None), "_dp_view", None)
+        if view is not None and view is not t:
+            updates.append((m, name, view))
+    _update_module_param(updates)
+
+
 def _local_param(dt: DTensor) -> nn.Parameter:
     flat, spec = _flatten_tensor(dt)
     local = nn.Parameter(flat.detach(), requires_grad=dt.requires_grad)
@@ -132,7 +161,52 @@ def _local_param(dt: DTensor) -> nn.Parameter:
     grad = dt.grad
     if isinstance(grad, DTensor):
         local.grad = grad.redistribute(grad.device_mesh, spec.placements).to_local().detach()  # type: ignore[union-attr]
+    view = dt if isinstance(dt, nn.Parameter) else nn.Parameter(dt, requires_grad=dt.requires_grad)
+    view._dp_local = local  # type: ignore[attr-defined]
+    local._dp_view = view  # type: ignore[attr-defined]
+    local._dp_grad_shown = None  # type: ignore[attr-defined]
+    _show_grad(local)
+    if local.requires_grad:
+        local.register_post_accumulate_grad_hook(_after_accumulate)
     return local
+
+
+def _show_grad(local: nn.Parameter) -> None:
+    """Give the DTensor parameter ``local._dp_view`` the DTensor of ``local.grad`` (same
+    storage), or no gradient."""
+    g = local.grad
+    spec = local._st_info  # type: ignore[attr-defined]
+    shown = None if g is None else make_dtensor(g, spec.mesh, spec.placements, spec.shape,
+                                                spec.stride)
+    local._dp_view.grad = shown  # type: ignore[attr-defined]
+    local._dp_grad_shown = shown  # type: ignore[attr-defined]
+
+
+def _pull_grad(local: nn.Parameter) -> None:
+    """A gradient set on (or cleared from) the DTensor parameter since it was last shown
+    becomes the local parameter's."""
+    view = getattr(local, "_dp_view", None)
+    if view is None or view.grad is local._dp_grad_shown:  # type: ignore[attr-defined]
+        return
+    g = view.grad
+    if g is None:
+        local.grad = None
+    else:
+        spec = local._st_info  # type: ignore[attr-defined]
+        if isinstance(g, DTensor):
+            g = g.redistribute(spec.mesh, spec.placements).to_local()
+        else:
+            g = _local_piece(g, spec)
+        local.grad = g.detach()
+    local._dp_grad_shown = view.grad  # type: ignore[attr-defined]
+
+
+def _after_accumulate(local: torch.Tensor) -> None:
+    """Post-accumulate hook of a local parameter: show its gradient on the DTensor parameter
+    once the backward is over, after DDP's own end-of-backward step (which may replace
+    ``.grad``): a callback that queues the callback that shows it."""
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+    engine.queue_callback(lambda: engine.queue_callback(lambda: _show_grad(local)))
 
 
 def _pre_dp_module_transform(module: nn.Module) -> None:
@@ -147,34 +221,36 @@ def _pre_dp_module_transform(module: nn.Module) -> None:
         return
     _localize_dtensor(module, None, None)
     module.register_forward_pre_hook(_reconstruct_dtensor)
-    module.register_forward_hook(_localize_dtensor)
+    module.register_forward_hook(_restore_dtensor_params)
     module.register_state_dict_post_hook(_state_dict_as_dtensors)
     module.register_load_state_dict_pre_hook(_load_into_locals)
     setattr(module, _MARK, True)
 
 
-def _local_params_by_key(module: nn.Module, prefix: str) -> dict[str, nn.Parameter]:
+def _local_params_by_key(module: nn.Module, prefix: str) -> dict[str, tuple[Any, nn.Parameter]]:
+    """State-dict key -> (the tensor registered there, its local parameter)."""
     out = {}
     for name, t in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
         local = getattr(t, "_dp_local", t)
         if getattr(local, "_st_info", None) is not None:
-            out[name] = local
+            out[name] = (t, local)
     return out
 
 
 def _state_dict_as_dtensors(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                             local_metadata: Any) -> None:
-    for key, local in _local_params_by_key(module, prefix).items():
-        if key in state_dict:
+    for key, (_, local) in _local_params_by_key(module, prefix).items():
+        value = state_dict.get(key)
+        if value is not None and not isinstance(value, DTensor):
             spec = local._st_info  # type: ignore[attr-defined]
-            state_dict[key] = make_dtensor(state_dict[key], spec.mesh, spec.placements, spec.shape,
+            state_dict[key] = make_dtensor(value, spec.mesh, spec.placements, spec.shape,
                                            spec.stride)
 
 
 def _load_into_locals(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    """DTensor values (any placements) or full tensors -> this rank's local piece
-    (copied by nn.Module)."""
-    for key, local in _local_params_by_key(module, prefix).items():
+    """DTensor values (any placements) or full tensors -> this rank's local piece (copied by
+    nn.Module), as a DTensor where a DTensor parameter is registered."""
+    for key, (registered, local) in _local_params_by_key(module, prefix).items():
         value = state_dict.get(key)
         if not isinstance(value, torch.Tensor):
             continue
@@ -182,9 +258,14 @@ def _load_into_locals(module: nn.Module, state_dict: dict[str, Any], prefix: str
         if isinstance(value, DTensor):
             if value.device_mesh != spec.mesh or tuple(value.placements) != tuple(spec.placements):
                 value = value.redistribute(spec.mesh, spec.placements)   # raises for another mesh
-            state_dict[key] = value.to_local()
-        elif tuple(value.shape) == tuple(spec.shape) and tuple(value.shape) != tuple(local.shape):
-            state_dict[key] = _local_piece(value, spec)
+            piece = value.to_local()
+        elif tuple(value.shape) == tuple(spec.shape) and (
+                isinstance(registered, DTensor) or tuple(value.shape) != tuple(local.shape)):
+            piece = _local_piece(value, spec)
+        else:
+            continue
+        state_dict[key] = (make_dtensor(piece, spec.mesh, spec.placements, spec.shape, spec.stride)
+                           if isinstance(registered, DTensor) else piece)
 
 
 def _local_piece(full: torch.Tensor, spec: Any) -> torch.Tensor:
