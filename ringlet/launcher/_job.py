@@ -24,6 +24,7 @@ from ringlet.errors import DistError
 from ringlet.launcher._capacity import max_workers, read_limits
 from ringlet.launcher._forward import Sink, colour_wanted, prefix
 from ringlet.launcher._logs import log_paths, stream_plan, wants_files
+from ringlet.launcher._preflight import check_entrypoint
 from ringlet.launcher._plan import PROG, LaunchConfig, error_file, worker_command, worker_env
 from ringlet.launcher._reaper import become_subreaper
 from ringlet.launcher._runtime import Signals, run_dir, say
@@ -33,6 +34,7 @@ from ringlet.launcher._supervisor import (
     WorkerFailure,
     WorkerSpec,
     WorkerStartError,
+    describe_exit,
 )
 from ringlet.store import TCPStore
 
@@ -57,14 +59,40 @@ def failure_summary(first: WorkerFailure, others: Sequence[WorkerFailure], attem
         lines.append("  traceback:")
         lines.extend("    " + line for line in tb.rstrip("\n").splitlines())
     else:
-        lines.append("  traceback: none recorded (the worker wrote no error file; decorate its "
-                     "main with ringlet.distributed.elastic.multiprocessing.errors.record)")
+        lines.append(f"  traceback: none recorded ({_why_no_traceback(first)})")
     if first.log_files:
         lines.append(f"  log: {' '.join(first.log_files)}")
     for f in others:
         log = f" (log: {f.log_files[-1]})" if f.log_files else ""
         lines.append(f"  also failed: rank {f.rank}, pid {f.pid}, {f.reason}{log}")
     return "\n".join(lines)
+
+
+_FAULTS = ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT")
+
+
+def _why_no_traceback(failure: WorkerFailure) -> str:
+    """Why a failed worker left no traceback, and what would show more (by how it died)."""
+    if failure.hung_s is not None:
+        return ("killed for --heartbeat-timeout; the stacks it printed when asked, just before, "
+                "are in its stderr")
+    if failure.returncode >= 0:
+        return ("the worker wrote no error file; decorate its main with "
+                "ringlet.distributed.elastic.multiprocessing.errors.record")
+    sig = describe_exit(failure.returncode).removeprefix("signal ")
+    if sig == "SIGKILL":
+        return ("SIGKILL cannot be caught, so nothing in the worker (@record included) could "
+                "write one; it most often comes from the kernel's out-of-memory killer (look for "
+                "'Out of memory: Killed process' with `dmesg` or `journalctl -k`), a memory or "
+                "time limit of the job's scheduler or cgroup, or a `kill -9`")
+    if sig in _FAULTS:
+        return (f"a process killed by {sig} runs no Python code, so @record cannot help; "
+                "faulthandler printed the Python stack of every thread to the worker's stderr "
+                "above; for the native stack enable core dumps (`ulimit -c unlimited`) or run "
+                "the rank under gdb; RINGLET_DEBUG=DETAIL checks every collective's arguments "
+                "across ranks")
+    return (f"{sig} was sent from outside the launcher (a scheduler, a user or another "
+            "program) and the worker did not handle it; @record only sees Python exceptions")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,10 +118,14 @@ def make_log_root(config: LaunchConfig, run_id: str) -> str | None:
     else:
         base = os.path.join(os.path.abspath(config.log_dir), run_id)
         root, n = base, 1
-        while os.path.exists(root):
+        while os.path.lexists(root):   # a dangling symlink is taken too: never follow it
             n += 1
             root = f"{base}-{n}"
-        os.makedirs(root)
+        try:
+            os.makedirs(root)
+        except OSError as err:
+            raise ValueError(f"--log-dir {config.log_dir!r}: expected a folder where this run's "
+                             f"logs can be created, got {type(err).__name__}: {err}") from None
     say(f"worker logs: {root}/attempt_<n>/<local rank>/{{stdout,stderr}}.log")
     return root
 
@@ -200,7 +232,7 @@ def check_capacity(config: LaunchConfig) -> str | None:
 
 def prepare(config: LaunchConfig) -> int | None:
     """What precedes any launch on this node; returns an exit code when the launch is refused."""
-    refused = check_capacity(config)
+    refused = check_entrypoint(config) or check_capacity(config)
     if refused is not None:
         say(f"error: {refused}")
         return 2
@@ -224,8 +256,13 @@ def run_single(config: LaunchConfig) -> int:
             say(f"could not host the store on {config.master_addr}:{config.master_port}: {err}")
             return 1
         try:
+            try:
+                log_root = make_log_root(config, run_id)
+            except ValueError as err:   # nothing started yet
+                say(f"error: {err}")
+                return 2
             return _supervise(Run(config=config, run_id=run_id, run_dir=rdir,
                                   token_file=token_file, port=store.port, signals=signals,
-                                  log_root=make_log_root(config, run_id)))
+                                  log_root=log_root))
         finally:
             store.close()

@@ -87,8 +87,14 @@ def _join_and_run(config: LaunchConfig, store: TCPStore, where: str, signals: Si
     say(f"node {config.node_rank}/{config.nnodes} joined run {run_id}: ranks "
         f"{config.global_rank(0)}..{config.global_rank(config.nproc_per_node - 1)} "
         f"of {config.world_size}")
+    try:
+        log_root = make_log_root(config, run_id)
+    except ValueError as err:
+        say(f"error: {err}")
+        nodes.leave()
+        return 2
     run = Run(config=config, run_id=run_id, run_dir=rdir, token_file=token_file, port=store.port,
-              signals=signals, log_root=make_log_root(config, run_id))
+              signals=signals, log_root=log_root)
     try:
         return _supervise(run, nodes)
     except RendezvousFailed as err:
