@@ -10,4 +10,8 @@ from ringlet._version import __version__, check_torch
 
 check_torch(_torch.__version__)
 
+from ringlet.torch_backend import register as _register_torch_backend
+
+_register_torch_backend()   # init_process_group("ringlet"): docs/torch_backend.md
+
 __all__ = ["__version__"]

@@ -34,6 +34,11 @@
 | ``RINGLET_TCP_OVERLAP`` | ``1``: the tcp transport's reader thread receives a large
   collective's frames while the calling thread sends and reduces (pays only with a spare core
   per rank) | 0 |
+| ``RINGLET_TORCH_TRANSPORT`` | transport under torch's backend ``"ringlet"``
+  (``init_process_group("ringlet")``): ``auto``, ``shm`` or ``tcp`` | auto |
+| ``RINGLET_TORCH_DEFAULT`` | ``1``: a torch program launched by ``ringlet-run`` gets
+  ``"ringlet"`` as torch's default CPU backend (``init_process_group()`` naming none);
+  ``ringlet-run --torch-backend`` sets it | 0 |
 | ``RINGLET_NO_FUTEX`` | ``1``: shared-memory waits back off on timers instead of sleeping on a
   futex (for tests and comparisons) | 0 |
 | ``RINGLET_FAULT`` | test-only fault injection, e.g. ``rank=1;at=collective:seq=5;do=sigkill``
@@ -257,4 +262,19 @@ def tcp_overlap() -> bool:
     raw = os.environ.get("RINGLET_TCP_OVERLAP", "0").strip()
     if raw not in ("0", "1", ""):
         raise ValueError(f"RINGLET_TCP_OVERLAP: expected 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def torch_transport() -> str:
+    """``RINGLET_TORCH_TRANSPORT``: the ringlet transport under torch's backend ``"ringlet"``
+    (default ``auto``)."""
+    return os.environ.get("RINGLET_TORCH_TRANSPORT", "").strip() or "auto"
+
+
+def torch_default() -> bool:
+    """``RINGLET_TORCH_DEFAULT=1``: make ``"ringlet"`` torch's default CPU backend in this
+    process (the worker bootstrap of ``ringlet-run --torch-backend`` reads it)."""
+    raw = os.environ.get("RINGLET_TORCH_DEFAULT", "0").strip()
+    if raw not in ("0", "1", ""):
+        raise ValueError(f"RINGLET_TORCH_DEFAULT: expected 0 or 1, got {raw!r}")
     return raw == "1"

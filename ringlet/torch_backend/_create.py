@@ -1,0 +1,62 @@
+"""The backend's creator: a ringlet group for each group torch makes with backend ``"ringlet"``.
+
+torch calls :func:`create` once per group (the default group, every ``new_group``, every
+DeviceMesh axis) on the member ranks only, with the group's own prefixed store, the rank's
+position in it, the group's size, timeout and global ranks.  It runs ringlet's rendezvous on
+that store (so ranks that disagree on the version are told so, and a missing rank is named),
+opens ringlet's transport for the group (``auto``: shared memory among the ranks of a host,
+tcp among hosts; ``RINGLET_TORCH_TRANSPORT`` picks another) and returns the torch-facing group.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["create", "transport_spec"]
+
+TRANSPORT_ENV = "RINGLET_TORCH_TRANSPORT"   # read by ringlet._env.torch_transport
+
+
+def transport_spec() -> str:
+    """The ringlet transport torch's groups run on (``auto`` unless ``RINGLET_TORCH_TRANSPORT``).
+
+    Raises:
+        ValueError: the variable names no transport ringlet has.
+    """
+    from ringlet import _env
+    from ringlet.transport import select
+
+    raw = _env.torch_transport()
+    spec = select.parse_backend(raw)
+    if spec.removesuffix(select.CUDA_NCCL) not in ("auto", "shm", "tcp"):
+        raise ValueError(f"{TRANSPORT_ENV}={raw!r}: expected one of ringlet's transports for "
+                         "processes (auto, shm, tcp; or nccl: CUDA tensors on torch's NCCL), got "
+                         f"{spec!r}")
+    return spec
+
+
+def create(opts: Any, backend_options: Any = None) -> Any:
+    """torch's extended creator API: ``opts`` is torch's ``_DistributedBackendOptions``."""
+    from ringlet.c10d import debug
+    from ringlet.c10d.group import ProcessGroup
+    from ringlet.c10d.rendezvous import rendezvous
+    from ringlet.torch_backend._group import BACKEND_NAME, RingletProcessGroup
+    from ringlet.torch_backend._store import TorchStore
+    from ringlet.transport import select
+
+    rank, size = int(opts.group_rank), int(opts.group_size)
+    timeout: timedelta = opts.timeout
+    seconds = timeout.total_seconds()
+    ranks = list(opts.global_ranks_in_group) or list(range(size))
+    name = str(opts.group_id)
+    spec = transport_spec()
+    store = TorchStore(opts.store, timeout)
+    hosts = rendezvous(store, rank, size, f"{BACKEND_NAME}:{spec}", seconds)
+    desc = f"torch group {name}" if ranks != list(range(size)) or name != "0" else "default_pg"
+    transport, resolved = select.open_transport(spec, store, rank, hosts, seconds, desc)
+    pg = ProcessGroup(name, ranks, rank, transport, seconds, BACKEND_NAME, desc,
+                      transport_name=resolved,
+                      hang_reporter=lambda g, err: debug.hang_report(store, g, err),
+                      detail_check=debug.detail_check if debug.detail_enabled() else None)
+    return RingletProcessGroup(opts.store, pg)

@@ -1,0 +1,75 @@
+"""ringlet as a torch.distributed backend: torch's own API, DDP, fully_shard, tensor parallel and
+checkpoints over ``init_process_group("ringlet")`` give exactly what they give over torch's gloo,
+in the same processes; faults come back as ringlet reports them."""
+
+from __future__ import annotations
+
+import _torch_backend_workers as W
+import pytest
+
+from ringlet.testing.procs import raise_first, run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _same(a: object, b: object, where: str) -> None:
+    if isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a) == sorted(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def test_registered_with_torch_and_gloo_left_alone() -> None:
+    import torch.distributed as tdist
+
+    import ringlet  # noqa: F401
+
+    assert "ringlet" in tdist.Backend.backend_list
+    assert tdist.Backend.default_device_backend_map["cpu"] == "gloo"
+    assert tdist.Backend.backend_capability["ringlet"] == ["cpu", "cuda"]
+
+
+def test_every_collective_equals_gloo(tmp_path) -> None:
+    for rank, got in enumerate(raise_first(run_world(2, W.collectives, str(tmp_path / "init"),
+                                                     timeout=100))):
+        assert got["gloo"]["backend"] == "gloo" and got["ringlet"]["backend"] == "ringlet"
+        got["gloo"].pop("backend")
+        got["ringlet"].pop("backend")
+        _same(got["gloo"], got["ringlet"], f"rank {rank}")
+
+
+def test_torch_ddp_fsdp_tp_and_dcp_equal_gloo(tmp_path) -> None:
+    per_rank = raise_first(run_world(2, W.strategies, str(tmp_path / "init"),
+                                     str(tmp_path / "ckpt"), timeout=110))
+    for rank, got in enumerate(per_rank):
+        for what in ("ddp", "ddp/comm_hook", "fully_shard", "tensor_parallel", "dcp", "trained"):
+            _same(got["gloo"][what], got["ringlet"][what], f"rank {rank} {what}")
+        _same(got["ringlet"]["dcp"], got["ringlet"]["trained"], f"rank {rank} dcp round trip")
+
+
+def test_mismatch_is_reported_by_ringlet_on_every_rank(tmp_path) -> None:
+    res = raise_first(run_world(2, W.mismatch, str(tmp_path / "init"), timeout=60,
+                                env={"RINGLET_DEBUG": "DETAIL"}))
+    for kind, text in res:
+        assert kind == "CollectiveMismatchError", text
+        assert "all_reduce" in text and "broadcast" in text, text
+
+
+def test_a_missing_rank_is_a_timeout_with_a_hang_report(tmp_path) -> None:
+    kind, text, took = raise_first(run_world(2, W.skipped, str(tmp_path / "init"), timeout=60))[0]
+    assert kind == "CollectiveTimeoutError", text
+    assert "all_reduce" in text and "rank 1" in text, text
+    assert took < 20
+
+
+def test_torch_ddp_names_a_dead_peer(tmp_path) -> None:
+    res = run_world(2, W.ddp_peer_dies, str(tmp_path / "init"), timeout=60)
+    kind, text = raise_first([res[0]])[0]
+    assert kind != "none", "rank 0 trained on after its peer died"
+    assert "rank 1" in text or "peer" in text.lower(), text
