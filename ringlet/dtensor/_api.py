@@ -33,7 +33,8 @@ from ringlet.dtensor.placements import Partial, Placement, Replicate, Shard
 from ringlet.mesh import DeviceMesh
 from ringlet.mesh.device_mesh import compute_device
 
-__all__ = ["DTensor", "default_mesh", "distribute_tensor", "make_dtensor", "wrap_local"]
+__all__ = ["DTensor", "default_mesh", "distribute_tensor", "make_dtensor", "resolve_lazy",
+           "wrap_local"]
 
 
 class DTensor(torch.Tensor):
@@ -55,6 +56,8 @@ class DTensor(torch.Tensor):
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> Self:
         if isinstance(local_tensor, DTensor):
             raise TypeError("DTensor: local_tensor: expected a torch.Tensor, got a DTensor")
+        if local_tensor.is_conj() or local_tensor.is_neg():   # [Note: lazy conjugate and negative]
+            local_tensor = resolve_lazy(local_tensor)
         r = torch.Tensor._make_wrapper_subclass(
             cls, spec.shape, strides=spec.stride, dtype=local_tensor.dtype,
             device=local_tensor.device, layout=local_tensor.layout, requires_grad=requires_grad)
@@ -217,6 +220,27 @@ class DTensor(torch.Tensor):
                              outer_size: Any, outer_stride: Any) -> DTensor:
         spec, requires_grad = ctx
         return DTensor(inner["_local_tensor"], spec, requires_grad=requires_grad)
+
+
+def resolve_lazy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its lazy conjugate and negative bits applied (a new tensor when either is set).
+
+    [Note: lazy conjugate and negative]
+    torch marks ``x.conj()`` and ``x._neg_view()`` (and views of them, such as ``.imag`` of a
+    conjugate) with a flag instead of computing them; kernels read the flag.  A DTensor's
+    wrapper does not carry its local tensor's flags, and the local tensors reach the kernels
+    below the wrapper's dispatch, where the flags would be lost or applied twice.  So no
+    DTensor ever holds a flagged local tensor: every constructor (``DTensor.__new__``, hence
+    ``from_local``, ``distribute_tensor`` and the dispatcher's uncached path) resolves it here,
+    the rules of ``_conj``/``_neg_view`` compute the value (``ringlet/dtensor/_ops/pointwise.py``),
+    and a cached decision whose op returned a flagged tensor resolves its output every time
+    (``_decide``).  The hot path (``_dispatch.wrap_local``) therefore needs no check.
+    """
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t
 
 
 def _rebuild_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Placements,

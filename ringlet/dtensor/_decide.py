@@ -7,13 +7,14 @@ the cached path repeats exactly these moves and output specs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
 import torch
 
 from ringlet.dtensor import _shard_math
-from ringlet.dtensor._api import DTensor
+from ringlet.dtensor._api import DTensor, resolve_lazy
 from ringlet.dtensor._opcall import OpCall
 from ringlet.dtensor._ops import family_rule
 from ringlet.dtensor._plan import (
@@ -61,6 +62,8 @@ def decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     rule = rule_for(func)
     if rule is None:
         if not all(all(p.is_replicate() for p in d.placements) for d in call.dts):
+            if _decomposes(func):           # [Note: composite ops]
+                return func.decompose(*call.args, **call.kwargs)
             raise unsupported(call)
         rule = replicate_rule
     if getattr(rule, "float_blind", False) and call.name != "masked_fill":
@@ -83,19 +86,67 @@ def decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     largs, lkwargs = call.rebuild(flat)
     fn = _runner(func, plan)
     out = fn(*largs, **lkwargs)
+    if _flagged(out):           # [Note: lazy conjugate and negative] in ``_api``
+        fn = _resolving(fn)
+        out = _resolve_out(out)
+    kind: int | None
     if plan.outputs is None:
         result, kind, desc = out, RAW, None
     elif written and _returns_written(func):
         result, kind, desc = _written_results(call), WRITTEN, _written_slots(call)
     else:
-        result = _wrap(call, out, plan)
+        with alias_context(args, func):
+            result = _wrap(call, out, plan)
         kind, desc = _describe(call, result, plan)
+        if kind is not None and _aliases(func):
+            kind |= ALIAS
     if key is not None and kind is not None and func not in NO_CACHE:
         cache = call.mesh._op_cache
         if len(cache) >= MAX_DECISIONS:
             cache.clear()
         cache[key] = Decision(fn, tuple(_slot_moves(call, moves)), kind, desc)
     return result
+
+
+ALIAS = 8
+"""Flag on a ``Decision.kind``: the op's outputs alias its first argument (a view)."""
+
+
+@functools.cache
+def _aliases(func: Any) -> bool:
+    """Whether ``func`` returns views of an argument (a non-written alias annotation)."""
+    return any(r.alias_info is not None and not r.alias_info.is_write
+               for r in func._schema.returns)
+
+
+def alias_context(args: tuple[Any, ...], func: Any = None) -> Any:
+    """Where the DTensor outputs of a view op (``func``, or any op when None) are created:
+    outside inference mode when its base is a normal tensor (under ``torch.inference_mode()``
+    a view of a normal tensor is a normal tensor: torch then shares the base's version counter
+    with it, which an inference tensor does not have)."""
+    if (torch.is_inference_mode_enabled() and (func is None or _aliases(func)) and args
+            and isinstance(args[0], torch.Tensor) and not args[0].is_inference()):
+        return torch.inference_mode(False)
+    return _NO_CONTEXT
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+@functools.cache
+def _decomposes(func: Any) -> bool:
+    """Whether ``func`` has a composite (implicit autograd) decomposition.
+
+    [Note: composite ops]
+    With autograd on, torch decomposes ops such as ``linear``, ``matmul``, ``layer_norm``,
+    ``softmax`` or ``scaled_dot_product_attention`` into the ops they are made of before they
+    reach a tensor subclass; under ``torch.inference_mode()`` (and for some ops under
+    ``torch.no_grad()``) they arrive whole.  An op without a rule of its own that has such a
+    decomposition runs it on the DTensors, so each piece meets its own rule: the same
+    placements, collectives and values as with autograd on.  (All-Replicate calls still run
+    the op whole on the local tensors.)
+    """
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
 def _check_strided(call: OpCall, plan: Plan) -> None:
@@ -130,6 +181,27 @@ def _runner(func: Any, plan: Plan) -> Any:
 
     def run(*args: Any, **kwargs: Any) -> Any:
         return local_fn(func, args, kwargs)
+    return run
+
+
+def _flagged(out: Any) -> bool:
+    """Whether a local result holds a tensor with a lazy conjugate or negative bit."""
+    return any(isinstance(x, torch.Tensor) and (x.is_conj() or x.is_neg()) for x in _leaves(out))
+
+
+def _resolve_out(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return resolve_lazy(out)
+    if type(out) in (list, tuple):
+        return type(out)(resolve_lazy(x) if isinstance(x, torch.Tensor) else x for x in out)
+    return out
+
+
+def _resolving(fn: Any) -> Any:
+    """``fn`` whose tensor results are resolved: what a cached decision of an op that returned
+    a flagged tensor runs (inputs are never flagged, so the op flags every time)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return _resolve_out(fn(*args, **kwargs))
     return run
 
 

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from ringlet.dtensor._api import DTensor
-from ringlet.dtensor._decide import decide, local_spec
+from ringlet.dtensor._decide import ALIAS, alias_context, decide, local_spec
 from ringlet.dtensor._plan import (
     FLOAT_BLIND,
     LOCAL,
@@ -136,12 +136,14 @@ def torch_dispatch(cls: Any, func: Any, types: Any, args: tuple[Any, ...] = (),
     if moves:
         _move(moves, largs, lkwargs, mesh)
     res = fn(*largs, **lkwargs) if lkwargs else fn(*largs)
-    if kind == ONE:
+    if kind == ONE or (kind == _ONE_VIEW and not _inference_mode()):
         return wrap_local(res, out)
     return _finish(kind, out, res, args, kwargs or {})
 
 
 _is_compiling = torch.compiler.is_compiling
+_inference_mode = torch.is_inference_mode_enabled
+_ONE_VIEW = ONE | ALIAS
 
 
 class _Eager(threading.local):
@@ -215,7 +217,15 @@ def _move(moves: tuple[Any, ...], largs: list[Any], lkwargs: dict[str, Any], mes
 
 
 def _finish(kind: int, out: Any, res: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Outputs of a cached decision other than a single tensor (see ``Decision``)."""
+    """Outputs of a cached decision other than a single tensor (see ``Decision``), and of views
+    (``ALIAS``: created where ``alias_context`` says)."""
+    if kind & ALIAS:
+        if _inference_mode():
+            with alias_context(args):
+                return _finish(kind & ~ALIAS, out, res, args, kwargs)
+        kind &= ~ALIAS
+    if kind == ONE:
+        return wrap_local(res, out)
     if kind == MANY:
         container, specs = out
         return container([x if s is None else wrap_local(x, s) for x, s in zip(res, specs)])

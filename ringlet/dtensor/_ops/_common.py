@@ -94,7 +94,7 @@ def linearity(call: OpCall) -> str:
     if name in _COPY:
         return "copy"
     tensors = sum(1 for x in call.args if _is_tensorish(x))
-    if name in ("neg", "positive") or (name in ("mul", "div") and tensors == 1):
+    if name in _UNARY_LINEAR or (name in ("mul", "div") and tensors == 1):
         return "unary"
     if name in ("add", "sub", "lerp"):
         bound = call.bound()
@@ -113,7 +113,10 @@ def _is_zero(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and v == 0
 
 
-_COPY = {"clone", "detach", "alias", "_to_copy", "copy", "zero", "lift_fresh", "contiguous"}
+_COPY = {"clone", "detach", "alias", "_to_copy", "copy", "zero", "lift_fresh", "contiguous",
+         "resolve_conj", "resolve_neg"}
+# (real-)linear maps of one operand: a sum of partials maps to the sum of the images
+_UNARY_LINEAR = {"neg", "positive", "_conj", "conj_physical", "_neg_view"}
 
 
 def _is_tensorish(x: Any) -> bool:

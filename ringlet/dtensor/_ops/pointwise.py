@@ -55,6 +55,23 @@ register(aten.detach.default, aten.detach_.default, aten.alias.default, aten.clo
          aten.bernoulli.p, aten.bernoulli.default)(pointwise_rule)
 
 
+_MATERIALIZE = {aten._conj.default: torch.conj_physical, aten._neg_view.default: torch.neg}
+
+
+@register(aten._conj.default, aten._neg_view.default)
+def lazy_view_rule(call: OpCall) -> Plan:
+    """``_conj``/``_neg_view`` (what ``x.conj()`` and the conjugate in complex gradients call):
+    elementwise, computed on the local tensor instead of flagged ([Note: lazy conjugate and
+    negative] in ``_api``); a sum-Partial stays Partial (both maps are real-linear)."""
+    plan = pointwise_rule(call)
+    materialize = _MATERIALIZE[call.func]
+    plan.local_fn = lambda func, args, kwargs: materialize(*args, **kwargs)
+    return plan
+
+
+register(aten.resolve_conj.default, aten.resolve_neg.default)(pointwise_rule)
+
+
 @register(aten.fill_.Scalar, aten.fill_.Tensor)
 def fill_rule(call: OpCall) -> Plan:
     """``fill_`` keeps self's placements; on a sum-Partial only coordinate 0 holds the value."""
