@@ -277,9 +277,14 @@ def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Placements,
 
 
 def default_mesh() -> DeviceMesh:
-    """A 1-d mesh over the whole world (what ``device_mesh=None`` means), on the default group."""
+    """What ``device_mesh=None`` means: the mesh of the innermost ``with mesh:`` block of this
+    thread, else a 1-d mesh over the whole world, on the default group."""
     from ringlet.c10d import world as _world
+    from ringlet.mesh.device_mesh import current_mesh
 
+    active = current_mesh()
+    if active is not None:
+        return active
     w = _world.current_world()
     if w is None or w.default_pg is None:  # pragma: no cover - current_world raised
         raise AssertionError("no world")

@@ -62,6 +62,7 @@ class LaunchConfig:
     local_ranks_filter: str = ""  # console shows only these local ranks ("0,1"); "" = all
     heartbeat_timeout: float = 0.0  # kill a worker silent this long (s); 0 = off (_watch)
     local_rank_arg: str | None = None  # legacy launch: "--local-rank" passed as "--local-rank=N"
+    torch_backend: bool = False  # --torch-backend: torch programs get "ringlet" as CPU default
 
     def __post_init__(self) -> None:
         _check(bool(self.entrypoint), "a training script, module or command", repr(self.entrypoint))
@@ -229,6 +230,10 @@ def build_parser(legacy_launch: bool = False) -> argparse.ArgumentParser:
                    metavar="S",
                    help="kill a worker that shows no progress for S seconds and count it "
                                      "as a failure (default RINGLET_HEARTBEAT_TIMEOUT, 0 = off)")
+    p.add_argument("--torch-backend", "--torch_backend", action="store_true",
+                   help="for programs that call torch.distributed: torch's default CPU backend "
+                        "becomes 'ringlet' and init_process_group() joins this launcher's store "
+                        "(docs/torch_backend.md)")
     p.add_argument("-m", "--module", action="store_true",
                    help="run the entrypoint as a module, like python -m")
     p.add_argument("--no-python", "--no_python", action="store_true",
@@ -316,6 +321,7 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str] | None = None,
         heartbeat_timeout=(ns.heartbeat_timeout if ns.heartbeat_timeout is not None
                            else _env.heartbeat_timeout()),
         local_rank_arg=_legacy_local_rank(ns),
+        torch_backend=getattr(ns, "torch_backend", False),
         **cfg,  # type: ignore[arg-type]
     )
     config.check_reachable()
@@ -384,6 +390,8 @@ def worker_env(
         "RINGLET_GENERATION": str(restart_count),
         "PYTHONUNBUFFERED": "1",
     })
+    if config.torch_backend:
+        env["RINGLET_TORCH_DEFAULT"] = "1"     # read by the worker bootstrap (_worker.py)
     if launcher_pid is not None:
         env["RINGLET_LAUNCHER_PID"] = str(launcher_pid)
     env.pop(HEARTBEAT_ENV, None)   # a worker's own workers must not beat for it by accident

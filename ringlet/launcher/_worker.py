@@ -141,6 +141,10 @@ def main(argv: list[str]) -> None:
         sys.stdout.flush()
         os.execvp(argv[1], argv[1:])
     faulthandler.enable()
+    if os.environ.get("RINGLET_TORCH_DEFAULT") == "1":
+        # ringlet-run --torch-backend: importing the package registers torch's "ringlet" backend
+        # and makes it the CPU default (ringlet/torch_backend/_register.py::make_default).
+        import ringlet  # noqa: F401
     # ringlet-run --heartbeat-timeout asks a hung worker for its stacks before killing it.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if argv[0] == "-m":

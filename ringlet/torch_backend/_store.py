@@ -15,7 +15,7 @@ from typing import Any
 from ringlet.errors import DistStoreError
 from ringlet.store.base import Store, check_key, check_keys, check_pairs, to_bytes
 
-__all__ = ["TorchStore"]
+__all__ = ["TorchStore", "torch_facing"]
 
 
 class TorchStore(Store):
@@ -102,3 +102,49 @@ class TorchStore(Store):
 
     def clone(self) -> TorchStore:
         return TorchStore(self._s.clone(), self.timeout)
+
+
+def torch_facing(store: Any) -> Any:
+    """A torch ``Store`` (a Python subclass torch accepts wherever it takes a store) over one of
+    ringlet's stores: how a torch program launched by ``ringlet-run --torch-backend`` reaches the
+    launcher's store, whose protocol torch's own ``TCPStore`` client does not speak."""
+    import torch.distributed as tdist
+
+    class RingletStoreForTorch(tdist.Store):
+        """torch's ``Store`` interface over ringlet's ``{inner!r}``."""
+
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def __repr__(self) -> str:
+            return f"RingletStoreForTorch({self.inner!r})"
+
+        def set(self, key: str, value: Any) -> None:
+            self.inner.set(key, value if isinstance(value, str) else bytes(value))
+
+        def get(self, key: str) -> bytes:
+            return self.inner.get(key)
+
+        def add(self, key: str, amount: int) -> int:
+            return self.inner.add(key, amount)
+
+        def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+            return self.inner.compare_set(key, expected, desired)
+
+        def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+            self.inner.wait(keys, timeout)
+
+        def check(self, keys: list[str]) -> bool:
+            return self.inner.check(keys)
+
+        def delete_key(self, key: str) -> bool:
+            return self.inner.delete_key(key)
+
+        def num_keys(self) -> int:
+            return self.inner.num_keys()
+
+        def set_timeout(self, timeout: timedelta) -> None:
+            self.inner.set_timeout(timeout)
+
+    return RingletStoreForTorch(store)
