@@ -120,7 +120,7 @@ def _plans(rank: int, n: int) -> dict:
     stack = _Stack()
     with pytest.raises(ValueError,
                        match=r"'layers\.\*\.gate' -> ColwiseParallel\(.*\) matches no submodule"):
-        parallelize_module(stack, mesh, {"layers.*.gate": ColwiseParallel()})
+        parallelize_module(stack, mesh, {"layers.*.gate": ColwiseParallel()}, strict_plan=True)
     with pytest.raises(NotImplementedError, match=r"module 'norm' \(RMSNorm\) with "
                                                   r"ColwiseParallel.*expected an nn.Linear or "
                                                   r"nn.Embedding"):
@@ -184,7 +184,7 @@ def _prepare(rank: int, n: int) -> dict:
         parallelize_module(_KwModule(), mesh, PrepareModuleInput(input_layouts=Shard(0),
                                                                   desired_input_layouts=Replicate()))(
             torch.ones(2), torch.ones(2), scale=torch.ones(1))
-    with pytest.raises(ValueError, match="desired_input_layouts with one entry per input_layouts"):
+    with pytest.raises(AssertionError, match="desired_input_layouts should have same length"):
         PrepareModuleInput(input_layouts=(Shard(0), None), desired_input_layouts=(Replicate(),))
     return out
 

@@ -17,9 +17,10 @@ that care about order map mesh coordinates to group ranks with
 
 from __future__ import annotations
 
+import contextvars
 import math
 import os
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -267,6 +268,21 @@ class DeviceMesh:
         root._flat_names[name] = axes
         return root._submesh([axes], (name,))
 
+    # -- the current mesh -------------------------------------------------------------------
+    def __enter__(self) -> Self:
+        """``with mesh:`` makes this the mesh that ``parallelize_module``, ``distribute_tensor``,
+        ``distribute_module``, ``DTensor.from_local`` and the DTensor factories use when given
+        none (see :func:`current_mesh`); contexts nest, per thread."""
+        _CURRENT.set(_CURRENT.get() + (self,))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stack = _CURRENT.get()
+        if not stack or stack[-1] is not self:
+            raise AssertionError(f"DeviceMesh.__exit__: {self!r} is not the innermost active mesh "
+                                 f"(active: {list(stack)})")
+        _CURRENT.set(stack[:-1])
+
     # -- identity, printing, pickling --------------------------------------------------------
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -293,6 +309,16 @@ class DeviceMesh:
 
     def __copy__(self) -> DeviceMesh:
         return self
+
+
+_CURRENT: contextvars.ContextVar[tuple[DeviceMesh, ...]] = contextvars.ContextVar(
+    "ringlet_current_mesh", default=())
+
+
+def current_mesh() -> DeviceMesh | None:
+    """The innermost mesh of an active ``with mesh:`` block of this thread, or ``None``."""
+    stack = _CURRENT.get()
+    return stack[-1] if stack else None
 
 
 def restore_mesh(device_type: str, ranks: list[Any], names: tuple[str, ...] | None) -> DeviceMesh:

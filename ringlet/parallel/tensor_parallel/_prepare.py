@@ -36,9 +36,10 @@ def _pairs(given: tuple[Any, ...] | None, desired: tuple[Any, ...] | None, style
            what: str) -> None:
     if given is None:
         return
-    if desired is None or len(given) != len(desired):
-        raise ValueError(f"{style}: expected desired_{what}_layouts with one entry per "
-                         f"{what}_layouts entry ({len(given)}), got {desired!r}")
+    if desired is None or len(given) != len(desired):   # torch raises AssertionError here
+        raise AssertionError(f"{style}: {what}_layouts and desired_{what}_layouts should have "
+                             f"same length: expected desired_{what}_layouts with one entry per "
+                             f"{what}_layouts entry ({len(given)}), got {desired!r}")
 
 
 class PrepareModuleInput(ParallelStyle):

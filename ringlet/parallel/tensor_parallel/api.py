@@ -19,7 +19,7 @@ Plan = ParallelStyle | dict[str, Any]
 
 def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
                        parallelize_plan: Plan | None = None, *,
-                       src_data_rank: int | None = 0) -> nn.Module:
+                       src_data_rank: int | None = 0, strict_plan: bool = False) -> nn.Module:
     """Parallelize ``module`` (in place) on a 1-d ``device_mesh`` following ``parallelize_plan``.
 
     Args:
@@ -33,12 +33,15 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         src_data_rank: the mesh coordinate whose parameter values are distributed
             (default 0, so ranks may start from different initializations); ``None``:
             every rank keeps its own values and nothing is sent.
+        strict_plan: a plan key that matches no submodule raises ``ValueError`` (default:
+            a ``UserWarning`` and the entry is skipped, as torch does).
 
     Returns:
         ``module``, parallelized.
 
     Raises:
-        ValueError: a plan key that matches no submodule, a mesh that is not 1-d.
+        ValueError: a mesh that is not 1-d; with ``strict_plan``, a plan key that matches no
+            submodule.
         NotImplementedError: a style applied to a module it does not support (e.g.
             ``ColwiseParallel`` on a norm).  Errors name the module path and the style.
 
@@ -55,7 +58,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
     if parallelize_plan is None:
         warnings.warn("parallelize_module: no parallelize_plan given, nothing to do", stacklevel=2)
         return module
-    _apply_plan(module, mesh, parallelize_plan, "", src_data_rank)
+    _apply_plan(module, mesh, parallelize_plan, "", src_data_rank, strict_plan)
     return module
 
 
@@ -66,7 +69,7 @@ def _world_mesh() -> DeviceMesh:
 
 
 def _apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Plan, prefix: str,
-                src_data_rank: int | None) -> None:
+                src_data_rank: int | None, strict: bool) -> None:
     if isinstance(plan, ParallelStyle):
         _apply_style(module, mesh, plan, prefix, src_data_rank)
         return
@@ -80,12 +83,16 @@ def _apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Plan, prefix: str,
             raise TypeError(f"parallelize_module: plan keys are module paths (str), got {key!r}")
         matches = match_paths(module, key)
         if not matches:
-            raise ValueError(f"parallelize_module: plan entry {_join(prefix, key)!r} -> "
-                             f"{sub_plan!r} matches no submodule of "
-                             f"{type(module).__name__}{f' at {prefix!r}' if prefix else ''}; its "
-                             f"children are {[n for n, _ in module.named_children()]}")
+            msg = (f"parallelize_module: plan entry {_join(prefix, key)!r} -> {sub_plan!r} "
+                   f"matches no submodule of {type(module).__name__}"
+                   f"{f' at {prefix!r}' if prefix else ''}; its children are "
+                   f"{[n for n, _ in module.named_children()]}")
+            if strict:
+                raise ValueError(msg)
+            warnings.warn(f"{msg}; skipping this plan entry (strict_plan=True raises)",
+                          UserWarning, stacklevel=3)
         for path, sub in matches:
-            _apply_plan(sub, mesh, sub_plan, _join(prefix, path), src_data_rank)
+            _apply_plan(sub, mesh, sub_plan, _join(prefix, path), src_data_rank, strict)
 
 
 def match_paths(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
