@@ -16,7 +16,9 @@ decoded; sizes are exchanged and capped (``MAX_OBJECT_BYTES``) before anything i
   here: a list entry that unpickles again (``torch.storage._load_from_bytes`` calls
   ``torch.load(weights_only=False)``) would reopen everything.  A plain pickle, a non-zip payload
   or anything the restricted unpickler refuses is an error naming the rank and the refused
-  callable or opcode; there is no fallback to an unrestricted decoder.
+  callable or opcode; there is no fallback to an unrestricted decoder.  Compressed archives and
+  sparse tensors whose indices break their invariants are refused too ([Note: restricted decode]
+  in ``ringlet/c10d/_restricted.py``).
 
 A rank whose object cannot be encoded sends a "failed" marker so that its peers raise at once
 instead of waiting.
@@ -24,17 +26,14 @@ instead of waiting.
 
 from __future__ import annotations
 
-import _compat_pickle
 import io
 import pickle
-import pickletools
-import re
 from typing import Any
 
 import torch
 
 from ringlet import _env
-from ringlet.c10d import _call, p2p
+from ringlet.c10d import _call, _restricted, p2p
 from ringlet.c10d import collectives as C
 
 __all__ = [
@@ -49,9 +48,9 @@ __all__ = [
 
 MAGIC = b"RLO1"          # a pickle: default (trusting) mode
 SAFE_MAGIC = b"RLS1"     # a torch.save archive: decodable by the restricted unpickler
-_ZIP = b"PK\x03\x04"
 MAX_OBJECT_BYTES = 1 << 31     # a peer claiming more is refused before allocating
 _FAILED = -1
+_BAD_LIST = -2      # broadcast_object_list: the source's object_list is not a list
 
 
 def _encode(obj: Any) -> bytes | None:
@@ -70,86 +69,6 @@ def _encode_or_raise(obj: Any) -> bytes:
     return MAGIC + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _refused(rank: int, op: str, why: str) -> pickle.UnpicklingError:
-    return pickle.UnpicklingError(
-        f"{op}: RINGLET_SAFE_OBJECTS=1 refuses the object from rank {rank}: {why} (restricted mode "
-        "builds only containers, numbers, strings, bytes, tensors, dtypes and devices; see "
-        "docs/security.md)")
-
-
-def _why_refused(err: BaseException) -> str:
-    """The useful part of the restricted unpickler's error: the callable or opcode it refused."""
-    text = " ".join(ln.strip() for ln in str(err).splitlines() if ln.strip())
-    m = re.search(r"(WeightsUnpickler error: |Trying to load )(.*?)(\.? Please use|\.? Check the "
-                  r"documentation|$)", text)
-    detail = (m.group(2) if m else text).strip()
-    op = re.search(r"Unsupported operand (\d+)", detail)
-    if op and chr(int(op.group(1))) in pickletools.code2op:
-        detail += f" (opcode {pickletools.code2op[chr(int(op.group(1)))].name})"
-    return detail
-
-
-_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING",
-               "SHORT_BINSTRING"}
-
-
-def _py3_name(module: str, name: str) -> str:
-    """``module.name`` as Python 3 spells it (protocol 2 pickles use Python 2
-    names: ``__builtin__``)."""
-    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
-    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
-
-
-def _named_callables(pickle_bytes: bytes, limit: int = 8) -> list[str]:
-    """The globals a pickle names (GLOBAL, INST, STACK_GLOBAL), found by parsing
-    it, never running it."""
-    names: list[str] = []
-    strings: list[str] = []
-    try:
-        for opcode, arg, _pos in pickletools.genops(pickle_bytes):
-            if opcode.name in ("GLOBAL", "INST"):
-                module, _, name = str(arg).partition(" ")
-                names.append(_py3_name(module, name))
-            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
-                names.append(_py3_name(strings[-2], strings[-1]))
-            elif opcode.name in _STRING_OPS:
-                strings.append(str(arg))
-            if len(names) >= limit:
-                break
-    except Exception:  # noqa: BLE001, S110 - a malformed pickle: name what was found before the damage
-        pass
-    return list(dict.fromkeys(names))
-
-
-def _archive_pickle(archive: bytes) -> bytes:
-    """The ``data.pkl`` record of a torch.save archive (zipfile only reads;
-    nothing is unpickled)."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(io.BytesIO(archive)) as z:
-            name = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
-            return z.read(name) if name is not None else b""
-    except Exception:  # noqa: BLE001 - not a readable archive: nothing to name
-        return b""
-
-
-def _with_names(why: str, pickle_bytes: bytes) -> str:
-    names = _named_callables(pickle_bytes)
-    return f"{why}; the payload names {', '.join(names)}" if names else why
-
-
-def _decode_safe(body: bytes, rank: int, op: str) -> Any:
-    if body[:4] != _ZIP:
-        raise _refused(rank, op, _with_names("expected a torch.save archive, got other bytes",
-                                             body))
-    try:
-        # weights_only=True passed explicitly: no environment variable can turn it off.
-        return torch.load(io.BytesIO(body), weights_only=True, mmap=False)
-    except Exception as e:  # noqa: BLE001 - whatever went wrong, never fall back to pickle
-        raise _refused(rank, op, _with_names(_why_refused(e), _archive_pickle(body))) from None
-
-
 def _decode(data: bytes, rank: int, op: str) -> Any:
     head, body = data[:4], data[4:]
     if head not in (MAGIC, SAFE_MAGIC):
@@ -157,11 +76,10 @@ def _decode(data: bytes, rank: int, op: str) -> Any:
                          f"(expected {MAGIC!r} or {SAFE_MAGIC!r}: a different ringlet version?)")
     if _env.safe_objects():
         if head != SAFE_MAGIC:
-            raise _refused(rank, op, _with_names("it is a plain pickle (set "
-                                                 "RINGLET_SAFE_OBJECTS=1 on every rank, so that "
-                                                 "every sender writes the restricted format)",
-                                                 body))
-        return _decode_safe(body, rank, op)
+            raise _restricted.refused(rank, op, _restricted.with_names(
+            "it is a plain pickle (set RINGLET_SAFE_OBJECTS=1 on every rank, so that every "
+            "sender writes the restricted format)", body))
+        return _restricted.decode(body, rank, op, MAX_OBJECT_BYTES)
     if head == SAFE_MAGIC:      # a restricted-mode sender; this rank trusts its peers
         return torch.load(io.BytesIO(body), weights_only=False, mmap=False)
     return pickle.loads(body)
@@ -245,6 +163,11 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
                                             "gather_object")
 
 
+def _not_a_list(object_list: Any) -> str:
+    return ("broadcast_object_list: object_list: expected a list of objects, got "
+            f"{type(object_list).__name__}")
+
+
 def broadcast_object_list(object_list: list[Any], src: int | None = None, group: Any = None,
                           device: Any = None, group_src: int | None = None) -> None:
     """Replace ``object_list``'s entries on every rank with ``src``'s."""
@@ -253,15 +176,27 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
         return
     root = C.peer_rank(pg, src, group_src, "broadcast", "src")
     me = pg.rank() == root
-    data = _encode(list(object_list)) if me else b""
-    size = torch.tensor([(len(data) if data is not None else _FAILED) if me else 0],
+    # A bad object_list is reported after the size broadcast, which every rank takes part in:
+    # the source sends a marker instead of a size, so no rank waits and the group stays in step.
+    bad = None if isinstance(object_list, list) else _not_a_list(object_list)
+    data = (_encode(list(object_list)) if bad is None else None) if me else b""
+    marker = _BAD_LIST if bad is not None else _FAILED
+    size = torch.tensor([(len(data) if data is not None else marker) if me else 0],
                         dtype=torch.int64)
     C.broadcast(size, group=pg, group_src=root)
+    if me and bad is not None:
+        raise TypeError(bad)
     if me and data is None:
         _raise_own(list(object_list), "broadcast_object_list")
+    if int(size) == _BAD_LIST:
+        raise TypeError(f"broadcast_object_list: the source rank {pg.ranks[root]} passed an "
+                        "object_list that is not a list (see that rank's error); nothing was "
+                        "broadcast")
     _size_check(int(size), pg.ranks[root], "broadcast_object_list")
     buf = _as_tensor(data if me else None, int(size))
     C.broadcast(buf, group=pg, group_src=root)
+    if not me and bad is not None:
+        raise TypeError(bad)
     if not me:
         got = _decode(buf.numpy().tobytes(), pg.ranks[root], "broadcast_object_list")
         if len(got) != len(object_list):
