@@ -78,3 +78,27 @@ def test_one_chunker_and_subsets_refused_where_unsupported() -> None:
     whole_group(Whole(), [0, 1, 2])         # type: ignore[arg-type]
     with pytest.raises(NotImplementedError, match=r"subset \[0, 2\]"):
         whole_group(Whole(), [0, 2])        # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_unsigned_dtypes_fold_exactly_and_avg_needs_floats() -> None:
+    # torch has no add/min/max kernels for uint16/32/64: they fold on signed views
+    from ringlet.transport.reduce import check_op_dtype
+    for dtype, bits in ((torch.uint16, 16), (torch.uint32, 32)):
+        top = 2**bits - 1
+        parts = [torch.tensor([top, 1], dtype=dtype), torch.tensor([2, top], dtype=dtype),
+                 torch.tensor([1, 1], dtype=dtype)]
+        for op, want in ((RedOpType.SUM, [2, 1]), (RedOpType.MAX, [top, top]),
+                         (RedOpType.MIN, [1, 1]), (RedOpType.PRODUCT, [top - 1, top])):
+            out = torch.empty(2, dtype=dtype)
+            reduction(op, None, dtype, 3).fold_(out, parts)
+            assert out.tolist() == want, (dtype, op)
+    big = torch.tensor([-1, 5]).view(torch.uint64)            # [2**64 - 1, 5]
+    out = torch.empty(2, dtype=torch.uint64)
+    reduction(RedOpType.MAX, None, torch.uint64, 2).fold_(out, [big, torch.tensor([7, 3]).view(
+        torch.uint64)])
+    assert out.tolist() == [2**64 - 1, 5]
+    for dtype in (torch.int64, torch.uint8, torch.bool):
+        with pytest.raises(TypeError, match="ReduceOp.AVG expects a floating-point"):
+            check_op_dtype(RedOpType.AVG, dtype, "all_reduce")
+    check_op_dtype(RedOpType.AVG, torch.bfloat16, "all_reduce")

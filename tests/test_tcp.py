@@ -287,7 +287,8 @@ def test_mismatches_timeouts_and_tokens_each_poison_only_their_group() -> None:
         assert (got["token"][0] == "DistNetworkError"
                 and "bad run token" in got["token"][1]), got["token"]
     assert res[1]["p2p"][0] == "CollectiveMismatchError"
-    assert "sent a message of 16 bytes with tag 7, but rank 1 expected 12 bytes" in res[1]["p2p"][1]
+    assert ("sent float32 data of 4 elements (16 bytes) with tag 7, but rank 1 expected float32 of "
+            "shape [3] (12 bytes)") in res[1]["p2p"][1]
     assert res[0]["p2p"][0] in ("PeerFailureError", "GroupAbortedError"), res[0]["p2p"]
     etype, msg, elapsed = res[0]["skip"]
     assert etype == "CollectiveTimeoutError" and "ranks [1]" in msg and "127.0.0.1" in msg, msg

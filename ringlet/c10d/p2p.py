@@ -1,9 +1,15 @@
 """Point-to-point: ``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv`` and ``P2POp``.
 
 Messages between two ranks are delivered in order; a receive must name the
-same tag and size as the matching send (ringlet matches in order and reports a
-disagreement as an error naming both sides, instead of waiting for a tag that
-will never come).  Each (peer, direction) has its own thread, so a large
+same tag, dtype and number of elements as the matching send (ringlet matches in
+order; each message's header carries its tag, byte size and dtype, and a
+disagreement is an error naming both sides, instead of waiting for a tag that
+will never come or reading float32 bytes as float64).  The receiver raises
+``CollectiveMismatchError``; the group is aborted, so the sender's next call
+raises the same error with the receiver's text.  Shapes need not agree (a
+flat buffer may be received into a shaped one).  On the torch engines
+(``gloo``/``nccl`` through torch) the header is torch's: only the size is
+checked.  Each (peer, direction) has its own thread, so a large
 ``isend`` that waits for the peer to drain it never blocks an ``irecv``: a
 batch of sends and receives in any order cannot deadlock.
 """
@@ -24,7 +30,7 @@ __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 def _p2p_ctx(pg: Any, op: str, peer: int, t: torch.Tensor) -> OpContext:
     pg.check_usable()
     return OpContext.make(op, 0, pg.rank(), pg.size(), pg.group_desc, pg.timeout, dtype=t.dtype,
-                          numel=t.numel(), root=peer)
+                          numel=t.numel(), root=peer, shape=tuple(t.shape))
 
 
 def _peer(pg: Any, rank: Any, group_rank: Any, op: str, arg: str) -> int:

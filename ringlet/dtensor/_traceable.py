@@ -69,9 +69,37 @@ def _op_name(op: Any) -> str:
                               f"traceable (expected one of {sorted(_OPS)})")
 
 
+def _checked(name: str, t: torch.Tensor, op: str | None = None,
+             world: int | None = None) -> None:
+    """The custom ops' arguments, checked where a user calling ``torch.ops.ringlet.*`` sees it."""
+    if op is not None and op not in _OPS:
+        raise ValueError(f"torch.ops.ringlet.{name}: expected op one of {sorted(_OPS)}, "
+                         f"got {op!r}")
+    if world is None:
+        return
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"torch.ops.ringlet.{name}: expected world (the group's size) >= 1, "
+                         f"got {world!r}")
+    if t.dim() == 0:
+        raise ValueError(f"torch.ops.ringlet.{name}: expected a tensor with at least one "
+                         "dimension (ranks are stacked along dim 0), got a 0-d tensor")
+    if name == "reduce_scatter" and t.shape[0] % world:
+        raise ValueError(f"torch.ops.ringlet.reduce_scatter: expected dim 0 divisible by world "
+                         f"{world}, got shape {list(t.shape)}")
+
+
+def _sized(name: str, world: int, group: str) -> ProcessGroup:
+    pg = _group(group)
+    if world != pg.size():
+        raise ValueError(f"torch.ops.ringlet.{name}: expected world {pg.size()} (the size of "
+                         f"group {group!r}), got {world}")
+    return pg
+
+
 # -- the custom ops -------------------------------------------------------------------------------
 @torch.library.custom_op("ringlet::all_reduce", mutates_args=())
 def _all_reduce(t: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    _checked("all_reduce", t, op)
     out = t.clone(memory_format=torch.contiguous_format)
     C.all_reduce(out, op=_OPS[op], group=_group(group))
     return out
@@ -79,30 +107,37 @@ def _all_reduce(t: torch.Tensor, op: str, group: str) -> torch.Tensor:
 
 @_all_reduce.register_fake
 def _(t: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    _checked("all_reduce", t, op)
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("ringlet::all_gather", mutates_args=())
 def _all_gather(t: torch.Tensor, world: int, group: str) -> torch.Tensor:
+    _checked("all_gather", t, world=world)
+    pg = _sized("all_gather", world, group)
     out = t.new_empty([world * t.shape[0], *t.shape[1:]])
-    C.all_gather_into_tensor(out, t.contiguous(), group=_group(group))
+    C.all_gather_into_tensor(out, t.contiguous(), group=pg)
     return out
 
 
 @_all_gather.register_fake
 def _(t: torch.Tensor, world: int, group: str) -> torch.Tensor:
+    _checked("all_gather", t, world=world)
     return t.new_empty([world * t.shape[0], *t.shape[1:]])
 
 
 @torch.library.custom_op("ringlet::reduce_scatter", mutates_args=())
 def _reduce_scatter(t: torch.Tensor, op: str, world: int, group: str) -> torch.Tensor:
+    _checked("reduce_scatter", t, op, world)
+    pg = _sized("reduce_scatter", world, group)
     out = t.new_empty([t.shape[0] // world, *t.shape[1:]])
-    C.reduce_scatter_tensor(out, t.contiguous(), op=_OPS[op], group=_group(group))
+    C.reduce_scatter_tensor(out, t.contiguous(), op=_OPS[op], group=pg)
     return out
 
 
 @_reduce_scatter.register_fake
 def _(t: torch.Tensor, op: str, world: int, group: str) -> torch.Tensor:
+    _checked("reduce_scatter", t, op, world)
     return t.new_empty([t.shape[0] // world, *t.shape[1:]])
 
 

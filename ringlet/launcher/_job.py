@@ -24,8 +24,8 @@ from ringlet.errors import DistError
 from ringlet.launcher._capacity import max_workers, read_limits
 from ringlet.launcher._forward import Sink, colour_wanted, prefix
 from ringlet.launcher._logs import log_paths, stream_plan, wants_files
-from ringlet.launcher._preflight import check_entrypoint
 from ringlet.launcher._plan import PROG, LaunchConfig, error_file, worker_command, worker_env
+from ringlet.launcher._preflight import check_entrypoint
 from ringlet.launcher._reaper import become_subreaper
 from ringlet.launcher._runtime import Signals, run_dir, say
 from ringlet.launcher._supervisor import (

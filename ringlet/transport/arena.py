@@ -229,7 +229,12 @@ class Arena:
         self.ring()
 
     def aborted_error(self, ctx: OpContext | None) -> DistBackendError:
-        who = self.q[H_ABORT] - 1
+        who = int(self.q[H_ABORT]) - 1
+        if not 0 <= who < self.world_size:   # overwritten: never print what it holds as a rank
+            what = (f"the group's shared memory was overwritten: its abort record names rank "
+                    f"{who}, not a rank of this group of {self.world_size} (a rank or another "
+                    "program wrote into the arena)")
+            return GroupAbortedError(what) if ctx is None else ctx.error(GroupAbortedError, what)
         raw = bytes(self.u8[REASON_OFF:REASON_OFF + REASON_MAX].numpy()).rstrip(b"\0")
         what = f"the group was aborted by rank {who}: {raw.decode('utf-8', 'replace')}"
         if ctx is None:

@@ -3,8 +3,8 @@
 See [Note: arena protocol] in ``arena.py``: each ordered pair of ranks has a mailbox of two
 buffers and two counters, ``sent`` (written by the sender) and ``acked`` (by the receiver).
 A message travels in chunks of ``p2p_bytes``; chunk ``m`` goes into buffer ``m % 2`` once the
-receiver has acknowledged chunk ``m - 2``, with a header (tag, size, chunk index) that the
-receiver checks before it reads the payload.
+receiver has acknowledged chunk ``m - 2``, with a header (tag, size, chunk index, dtype code)
+that the receiver checks before it reads the payload.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from ringlet.errors import CollectiveMismatchError
 from ringlet.transport.arena import Arena
-from ringlet.transport.base import OpContext, chunks
+from ringlet.transport.base import OpContext, chunks, message_code, message_mismatch
 
 __all__ = ["Mailboxes"]
 
@@ -35,6 +35,7 @@ class Mailboxes:
         a, q = self.arena, self.arena.q
         data = buf.reshape(-1).view(torch.uint8)
         nbytes = data.numel()
+        code = message_code(ctx)
         sent_i, acked_i = self._pair_i(self.rank, dst)
         for k, (off, c) in enumerate(chunks(nbytes, a.layout.p2p_bytes)):
             m = self.sent[dst] + 1
@@ -42,7 +43,7 @@ class Mailboxes:
             a.wait_ge([acked_i], [dst], m - 2, ctx)
             a.mailbox(self.rank, dst, b)[:c].copy_(data[off:off + c])
             h = a.layout.mailbox_hdr_off(self.rank, dst, b) // 8
-            q[h + 1], q[h + 2], q[h + 3], q[h + 4], q[h + 5] = tag, nbytes, k, c, ctx.seq
+            q[h + 1], q[h + 2], q[h + 3], q[h + 4], q[h + 5] = tag, nbytes, k, c, code
             q[h] = m
             q[sent_i] = m
             a.notify()
@@ -54,18 +55,17 @@ class Mailboxes:
             src = self._wait_any_source(ctx)
         data = buf.reshape(-1).view(torch.uint8)
         nbytes = data.numel()
+        code = message_code(ctx)
         sent_i, acked_i = self._pair_i(src, self.rank)
         for k, (off, c) in enumerate(chunks(nbytes, a.layout.p2p_bytes)):
             m = self.recvd[src] + 1
             b = m & 1
             a.wait_ge([sent_i], [src], m, ctx)
             h = a.layout.mailbox_hdr_off(src, self.rank, b) // 8
-            got = (q[h + 1], q[h + 2], q[h + 3], q[h + 4])
-            if got != (tag, nbytes, k, c):
-                raise ctx.error(CollectiveMismatchError,
-                                f"rank {src} sent a message of {got[1]} bytes with tag {got[0]}, "
-                                f"but rank {self.rank} expected {nbytes} bytes with tag {tag}",
-                                peer=src)
+            got = (q[h + 1], q[h + 2], q[h + 3], q[h + 4], q[h + 5])
+            if got != (tag, nbytes, k, c, code):
+                raise ctx.error(CollectiveMismatchError, message_mismatch(
+                    src, (int(got[0]), int(got[1]), int(got[4])), ctx, (tag, nbytes)), peer=src)
             data[off:off + c].copy_(a.mailbox(src, self.rank, b)[:c])
             q[acked_i] = m
             a.notify()

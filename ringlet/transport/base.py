@@ -156,6 +156,32 @@ def describe_fingerprint(fp: tuple[int, int, int]) -> str:
     return " ".join(parts)
 
 
+def message_code(ctx: OpContext) -> int:
+    """The dtype code a point-to-point message carries in its header (0: unknown), so that a
+    receive into another dtype of the same byte size is refused instead of misread."""
+    return DTYPE_CODES.get(ctx.dtype, 0) if ctx.dtype is not None else 0
+
+
+def message_mismatch(src: int, got: tuple[int, int, int], ctx: OpContext,
+                     want: tuple[int, int]) -> str:
+    """Why a received message's header (``got``: tag, bytes, dtype code) does not fit this
+    receive (``want``: tag, bytes; dtype and shape from ``ctx``), naming both ranks' sides."""
+    gtag, gbytes, gcode = got
+    gdtype = CODE_DTYPES.get(gcode)
+    if gdtype is not None:
+        size = gdtype.itemsize
+        sent = (f"{str(gdtype).removeprefix('torch.')} data of "
+                f"{f'{gbytes // size} elements' if gbytes % size == 0 else 'a partial element'} "
+                f"({gbytes} bytes)")
+    else:
+        sent = f"a message of {gbytes} bytes"
+    dtype = str(ctx.dtype).removeprefix("torch.") if ctx.dtype is not None else "?"
+    shape = list(ctx.shape) if ctx.shape is not None else f"[{ctx.numel}]"
+    return (f"rank {src} sent {sent} with tag {gtag}, but rank {ctx.rank} expected {dtype} of "
+            f"shape {shape} ({want[1]} bytes) with tag {want[0]}; send and recv must use the "
+            "same dtype and number of elements")
+
+
 def split_blocks(numel: int, n: int) -> list[tuple[int, int]]:
     """(offset, count) of ``n`` nearly equal blocks covering ``numel`` elements, the first
     ``numel % n`` one element longer (one block per rank of a reduce-scatter).

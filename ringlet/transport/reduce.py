@@ -59,6 +59,10 @@ def check_op_dtype(op: RedOpType, dtype: torch.dtype, opname: str) -> None:
     if op in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
         raise TypeError(f"{opname}: ReduceOp.{op.name} expects an integer or bool tensor, "
                         f"got {dtype}")
+    if op == RedOpType.AVG and not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"{opname}: ReduceOp.AVG expects a floating-point or complex tensor "
+                        f"(an integer average would be truncated), got {dtype}; reduce with "
+                        "ReduceOp.SUM and divide, or convert to a floating dtype first")
     if op in (RedOpType.MIN, RedOpType.MAX) and dtype.is_complex:
         raise TypeError(f"{opname}: ReduceOp.{op.name} is not defined for complex dtype {dtype}")
     if op == RedOpType.UNUSED:
@@ -82,6 +86,30 @@ NP_DTYPES: dict[torch.dtype, type] = {   # dtypes the numpy kernel serves (numpy
     torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8,
     torch.bool: np.bool_,
 }
+
+# torch has no add/minimum/maximum kernels for uint16/32/64: those dtypes fold on a signed view
+# of the same width.  Addition and multiplication modulo 2**bits give the same bits signed or
+# unsigned (as do the bitwise ops); for MIN/MAX, flipping the sign bit maps unsigned order onto
+# signed order.
+_SIGNED_VIEW = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def _on_signed_view(pair: Callable[..., Any], signed: torch.dtype,
+                    flip: bool) -> Callable[..., Any]:
+    """``pair`` of an unsigned dtype, run on signed views of its operands (see above)."""
+    sign = torch.iinfo(signed).min
+
+    def fold(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        a, b, o = a.view(signed), b.view(signed), out.view(signed)
+        if not flip:
+            pair(a, b, out=o)
+            return out
+        pair(torch.bitwise_xor(a, sign), torch.bitwise_xor(b, sign), out=o)
+        o.bitwise_xor_(sign)
+        return out
+
+    return fold
+
 
 try:   # numpy's own errstate costs ~3 us a call; setting its context variable directly ~0.2 us
     from numpy._core.umath import _extobj_contextvar, _make_extobj
@@ -124,6 +152,9 @@ class Reduction:
         self.pair = pair or _TORCH.get(fold)
         if self.pair is None:
             raise AssertionError(f"unknown reduce op {op!r}")
+        if dtype in _SIGNED_VIEW:
+            self.pair = _on_signed_view(self.pair, _SIGNED_VIEW[dtype],
+                                        fold in (RedOpType.MIN, RedOpType.MAX))
         # The numpy kernel serves exact contributions of numpy's dtypes; AVG on floats only.
         numpy_ok = dtype in NP_DTYPES and pre is None and (post == 1 or dtype.is_floating_point)
         self.ufunc = _NUMPY[fold] if numpy_ok else None

@@ -1,10 +1,11 @@
 """Point-to-point messages of the ``tcp`` transport, on the same connections as the collectives.
 
-One P2P frame per message, in order per pair of ranks: its header carries the tag, the size and
-the message's index, and the receiver checks it against its own ``recv`` before the payload is
-read ([Note: tcp frames]); a mismatch is a ``CollectiveMismatchError`` naming both sides.  A
-receive waits on the inbox's condition, which every change that can end it notifies (the frame
-arriving, an ABORT or BYE, a broken stream, an abort or destroy on this rank), with the deadline.
+One P2P frame per message, in order per pair of ranks: its header carries the tag, the size, the
+dtype's code and the message's index, and the receiver checks it against its own ``recv`` before
+the payload is read ([Note: tcp frames]); a mismatch is a ``CollectiveMismatchError`` naming both
+sides.  A receive waits on the inbox's condition, which every change that can end it notifies (the
+frame arriving, an ABORT or BYE, a broken stream, an abort or destroy on this rank), with the
+deadline.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ringlet.errors import (
     DistBackendError,
     GroupAbortedError,
 )
-from ringlet.transport.base import OpContext
+from ringlet.transport.base import OpContext, message_code, message_mismatch
 from ringlet.transport.tcp.faults import local_trouble, peer_lost, peer_trouble
 from ringlet.transport.tcp.frames import Want
 from ringlet.transport.tcp.inbox import Inbox
@@ -57,7 +58,8 @@ class Messages:
         data = mv(buf)
         idx = self._tx[dst]
         self._tx[dst] = idx + 1
-        frame = [memoryview(header(P2P, tag, len(data), 0, idx & 0xFFFFFFFF, len(data))), data]
+        frame = [memoryview(header(P2P, tag, len(data), message_code(ctx), idx & 0xFFFFFFFF,
+                                   len(data))), data]
 
         def stopped() -> BaseException:
             return self.trouble(p, ctx) or ctx.error(
@@ -77,7 +79,8 @@ class Messages:
             p = self.peers[src]
             data = mv(buf)
             idx = self._rx[src]
-            w = Want(src, header(P2P, tag, len(data), 0, idx & 0xFFFFFFFF, len(data)), data, None)
+            w = Want(src, header(P2P, tag, len(data), message_code(ctx), idx & 0xFFFFFFFF,
+                                 len(data)), data, None)
             inbox.want_p2p(w)
             with inbox.cv:
                 while not w.finished:
@@ -94,12 +97,9 @@ class Messages:
                     inbox.cv.wait(min(remaining, _RECHECK_S))
             if not w.ok:
                 got = parse_header(w.header or bytes(HEADER.size))
-                gtag, gbytes = got[2], got[3]
                 inbox.out_of_step(src)
-                raise ctx.error(CollectiveMismatchError,
-                                f"rank {src} sent a message of {gbytes} bytes with tag {gtag}, but "
-                                f"rank {self.rank} expected {len(data)} bytes with tag {tag}",
-                                peer=src)
+                raise ctx.error(CollectiveMismatchError, message_mismatch(
+                    src, (got[2], got[3], got[4]), ctx, (tag, len(data))), peer=src)
             w.settle()
             self._rx[src] = idx + 1
             return src

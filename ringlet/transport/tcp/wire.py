@@ -10,7 +10,8 @@ of payload (raw tensor bytes, in the sender's byte order).  The header holds::
 the operation's fingerprint (``OpContext.fingerprint``: op code, dtype, reduce op,
 root, element count) and ``index`` counts the frames of this operation between
 this pair of ranks in this direction, so the receiver knows the exact header it
-must get.  For P2P, ``seq`` is the tag, ``word1`` the message's bytes.  The
+must get.  For P2P, ``seq`` is the tag, ``word1`` the message's bytes, ``numel`` the
+dtype's code (``base.message_code``).  The
 receiver compares the header *before* it reads the payload: a mismatch is a
 ``CollectiveMismatchError`` naming both calls, never a misread.  An ABORT frame
 carries the reason (utf-8) as payload; BYE says that the sender left the group.
