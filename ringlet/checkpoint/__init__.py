@@ -11,6 +11,7 @@ The format and its guarantees: docs/checkpoint.md.
 """
 
 from ringlet.checkpoint._api import DefaultLoadPlanner, DefaultSavePlanner, async_save, load, save
+from ringlet.checkpoint._deprecated import load_state_dict, save_state_dict
 from ringlet.checkpoint._errors import CheckpointException
 from ringlet.checkpoint._metadata import Metadata
 from ringlet.checkpoint.filesystem import FileSystemReader, FileSystemWriter
@@ -26,5 +27,7 @@ __all__ = [
     "Stateful",
     "async_save",
     "load",
+    "load_state_dict",
     "save",
+    "save_state_dict",
 ]

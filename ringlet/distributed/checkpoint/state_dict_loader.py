@@ -1,6 +1,6 @@
-"""``ringlet.distributed.checkpoint.state_dict_loader``: torch's module of ``load``
-(re-export only)."""
+"""``ringlet.distributed.checkpoint.state_dict_loader``: torch's module of ``load`` and the
+deprecated ``load_state_dict`` (re-exports only)."""
 
-from ringlet.checkpoint import load
+from ringlet.checkpoint import load, load_state_dict
 
-__all__ = ["load"]
+__all__ = ["load", "load_state_dict"]
