@@ -80,3 +80,44 @@ class CollectiveMismatchError(DistBackendError):
 
 class GroupAbortedError(DistBackendError):
     """The group was poisoned by an earlier failure; every later call fails fast."""
+
+
+# [Note: abort carries the cause]
+# A rank whose collective fails (a mismatch, a timeout, a dead peer) aborts the group with the
+# reason "<ErrorClass>: <text>" (``ProcessGroup._poison``), and its peers raise when they see the
+# abort.  Which of the two a peer sees first -- the fault itself or the abort record -- depends
+# on scheduling, so a peer that learns of the fault through the abort raises an error of the
+# *same class* as the rank that found it (``CollectiveMismatchError`` on every rank of a
+# mismatch), which is also a ``GroupAbortedError`` (code that caught the abort still does) and
+# names the aborting rank (``err.aborted_by``).  Only the classes below travel; any other reason
+# (``ProcessGroup.abort`` by the user, a plain ``DistBackendError``) gives a plain
+# ``GroupAbortedError``.
+def _carrying(base: type[DistBackendError]) -> type[GroupAbortedError]:
+    """``base`` as seen by a peer through the abort record: a subclass of both ``base`` and
+    ``GroupAbortedError`` that prints and reports as ``base``'s name."""
+
+    def __reduce__(self: DistError) -> tuple[Any, ...]:
+        return (_rebuild_carried, (base, str(self), self.context))
+
+    return type(base.__name__, (base, GroupAbortedError),
+                {"__module__": __name__, "__qualname__": base.__qualname__,
+                 "__doc__": f"{base.__name__} learnt from a peer's abort (also a "
+                            "GroupAbortedError).", "__reduce__": __reduce__})
+
+
+_CARRIED: dict[str, type[GroupAbortedError]] = {
+    cls.__name__: _carrying(cls)
+    for cls in (CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError)}
+
+
+def _rebuild_carried(base: type[DistBackendError], message: str,
+                     context: dict[str, Any]) -> DistError:
+    return _CARRIED[base.__name__](message, **context)
+
+
+def abort_error_class(reason: str) -> type[GroupAbortedError]:
+    """The class a rank raises for a peer's abort whose reason is ``reason`` ("<ErrorClass>:
+    <text>"): the cause's class (also a ``GroupAbortedError``) for the faults that travel,
+    plain ``GroupAbortedError`` otherwise ([Note: abort carries the cause])."""
+    name = reason.split(":", 1)[0].strip()
+    return _CARRIED.get(name, GroupAbortedError)

@@ -32,8 +32,8 @@ def test_peer_death_reaches_every_survivor_within_a_second(mode: str) -> None:
     for r in (0, 2):
         etype, msg, elapsed = res[r].value
         # The first survivor to notice raises PeerFailureError and aborts the group; a later one may
-        # see the abort first: then its GroupAbortedError carries the same cause.
-        assert etype in ("PeerFailureError", "GroupAbortedError"), (r, etype, msg)
+        # see the abort first: it raises the same class ([Note: abort carries the cause]).
+        assert etype == "PeerFailureError", (r, etype, msg)
         assert "rank 1" in msg and "pid" in msg and "all_reduce #5" in msg, msg
         assert ("died" in msg) or ("left the group" in msg), msg
         assert elapsed < 2.0, f"rank {r} took {elapsed:.2f} s to notice"
@@ -86,11 +86,12 @@ def test_frozen_peer_fails_the_others_at_the_timeout() -> None:
     (_workers.mismatch_shape, "[3]"),
     (_workers.mismatch_dtype, "float64"),
 ])
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_mismatched_collectives_are_reported_on_every_rank(body, needle) -> None:
-    t0 = time.monotonic()
-    res = run_world(2, body, op_timeout=10.0, timeout=30)
-    assert time.monotonic() - t0 < 8.0     # found at the first exchange, not at the timeout
+    # Found at the first exchange, not at the timeout (that would be a CollectiveTimeoutError);
+    # the same class on every rank, whichever saw the fault first ([Note: abort carries the
+    # cause]).  No wall-clock bound: starting the processes on a busy machine is what varies.
+    res = run_world(2, body, op_timeout=60.0, timeout=90)
     for r in res:
         assert r.exc_type == "CollectiveMismatchError", r.message
         assert "rank 0:" in r.message and "rank 1:" in r.message and needle in r.message, r.message
@@ -156,7 +157,8 @@ def test_thawed_rank_fails_fast_instead_of_continuing() -> None:
     res = _by_rank(run_world(2, _workers.freeze_then_thaw, T, op_timeout=T, timeout=30))
     assert res[0].value[0] == "CollectiveTimeoutError", res[0]
     etype, elapsed = res[1].value
-    assert etype in ("GroupAbortedError", "PeerFailureError"), res[1]
+    # the abort record carries rank 0's timeout ([Note: abort carries the cause])
+    assert etype == "CollectiveTimeoutError", res[1]
     assert elapsed < 1.0
 
 
@@ -181,3 +183,41 @@ def test_two_jobs_at_once_never_mix() -> None:
     for name, tag in (("a", 100.0), ("b", 1000.0)):
         values = [r.value for r in out[name]]  # type: ignore[attr-defined]
         assert values == [2 * tag + 1] * 2, (name, out[name])
+
+
+@pytest.mark.parametrize("cause", ["CollectiveMismatchError", "CollectiveTimeoutError",
+                                   "PeerFailureError"])
+def test_a_peer_that_learns_of_a_fault_through_the_abort_raises_the_same_class(cause) -> None:
+    """[Note: abort carries the cause]: the rank that reads the abort record (rather than the
+    fault itself) raises the fault's class, still a GroupAbortedError, and it pickles as such."""
+    import pickle
+
+    import torch
+
+    from ringlet import errors
+    from ringlet.transport.arena import Arena, ArenaLayout
+    from ringlet.transport.base import OpContext
+
+    layout = ArenaLayout(2, 1024, 1024)
+    memory = bytearray(layout.total)
+    finder, peer = (Arena(memory, layout, r, alive=lambda _: True, describe_peer=str)
+                    for r in (0, 1))
+    finder.init_header(0)
+    finder.abort(f"{cause}: all_reduce #2 float32[4] on rank 0, broadcast #2 on rank 1")
+    err = peer.aborted_error(OpContext("all_reduce", 2, 1, 2, "g", 5.0, torch.float32, 4))
+    again = pickle.loads(pickle.dumps(err))
+    for e in (err, again):
+        assert type(e).__name__ == cause, type(e)
+        assert isinstance(e, getattr(errors, cause)) and isinstance(e, errors.GroupAbortedError)
+        assert "aborted by rank 0" in str(e) and "broadcast #2 on rank 1" in str(e), str(e)
+        assert e.aborted_by == 0 and e.rank == 1
+    finder.release()
+    peer.release()
+
+
+def test_an_abort_by_the_user_stays_a_plain_group_aborted_error() -> None:
+    from ringlet import errors
+
+    assert errors.abort_error_class("GroupAbortedError: stopped") is errors.GroupAbortedError
+    assert errors.abort_error_class("no class at all") is errors.GroupAbortedError
+    assert errors.abort_error_class("ValueError: x") is errors.GroupAbortedError

@@ -285,7 +285,9 @@ class ProcessGroup(TorchGroupMethods):
         try:
             fn()
         except CollectiveTimeoutError as e:
-            if self.hang_reporter is None or self._error is not None:
+            # a timeout learnt from a peer's abort carries that peer's report already
+            if (self.hang_reporter is None or self._error is not None
+                    or isinstance(e, GroupAbortedError)):
                 self._poison(e)
                 raise
             report = self.hang_reporter(self, e)

@@ -33,6 +33,7 @@ from ringlet.errors import (
     DistBackendError,
     GroupAbortedError,
     PeerFailureError,
+    abort_error_class,
 )
 from ringlet.transport.arena_wait import (
     FIRST_NAP,
@@ -236,10 +237,12 @@ class Arena:
                     "program wrote into the arena)")
             return GroupAbortedError(what) if ctx is None else ctx.error(GroupAbortedError, what)
         raw = bytes(self.u8[REASON_OFF:REASON_OFF + REASON_MAX].numpy()).rstrip(b"\0")
-        what = f"the group was aborted by rank {who}: {raw.decode('utf-8', 'replace')}"
+        reason = raw.decode('utf-8', 'replace')
+        what = f"the group was aborted by rank {who}: {reason}"
+        cls = abort_error_class(reason)     # [Note: abort carries the cause] (ringlet.errors)
         if ctx is None:
-            return GroupAbortedError(what, aborted_by=who)
-        return ctx.error(GroupAbortedError, what, aborted_by=who)
+            return cls(what, aborted_by=who)
+        return ctx.error(cls, what, aborted_by=who)
 
     # -- posts -----------------------------------------------------------------------
     def notify(self) -> None:

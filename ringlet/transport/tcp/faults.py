@@ -12,6 +12,7 @@ from ringlet.errors import (
     DistBackendError,
     GroupAbortedError,
     PeerFailureError,
+    abort_error_class,
 )
 from ringlet.transport.base import OpContext
 from ringlet.transport.tcp.inbox import Inbox
@@ -58,7 +59,7 @@ def peer_trouble(ctx: OpContext, inbox: Inbox, p: Peer, kind: str = "collective"
     connection ended (None: none of these)."""
     reason = inbox.aborted_by.get(p.rank)
     if reason is not None:
-        return ctx.error(GroupAbortedError,
+        return ctx.error(abort_error_class(reason),     # [Note: abort carries the cause]
                          f"the group was aborted by rank {p.rank} ({p.where()}): {reason}",
                          aborted_by=p.rank, peer=p.rank)
     if p.rank in inbox.desync:
