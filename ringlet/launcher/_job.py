@@ -58,6 +58,8 @@ def failure_summary(first: WorkerFailure, others: Sequence[WorkerFailure], attem
     if tb:
         lines.append("  traceback:")
         lines.extend("    " + line for line in tb.rstrip("\n").splitlines())
+        if "torch/distributed/" in tb and "EADDRINUSE" in tb:
+            lines.append(f"  hint: {TORCH_UNDER_RINGLET_RUN}")
     else:
         lines.append(f"  traceback: none recorded ({_why_no_traceback(first)})")
     if first.log_files:
@@ -68,6 +70,11 @@ def failure_summary(first: WorkerFailure, others: Sequence[WorkerFailure], attem
     return "\n".join(lines)
 
 
+TORCH_UNDER_RINGLET_RUN = (
+    "the script uses torch.distributed: its rank 0 tried to serve torch's own TCPStore on "
+    "MASTER_PORT, where this launcher's (ringlet's) store already listens. Launch programs "
+    "written for torch.distributed with torchrun, or port them to ringlet.distributed "
+    "(docs/migration.md)")
 _FAULTS = ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT")
 
 

@@ -20,6 +20,13 @@ One request is outstanding per connection; ``MULTI_GET``/``WAIT``/``QUEUE_POP`` 
 the server until their keys exist, and the only request allowed while parked is
 ``CANCEL`` (the client's deadline passed), answered with ``CANCELED`` after any
 reply already in flight, so the connection stays usable after a timeout (S4).
+
+torch's TCPStore speaks the other way round: its client talks first (``TORCH_HELLO``), its
+server waits.  A ringlet server that reads torch's hello logs once that a torch.distributed
+program reached it and drops the connection; a ringlet client started by torchrun that gets no
+greeting within ``GREETING_PROBE_S`` sends torch's ping and, when it is echoed, raises an error
+that says the program is under the wrong launcher (``TORCH_MIXUP``).  A request of more
+arguments or bytes than one frame may hold is split by the client (``split_args``).
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import os
 import socket
 import struct
 import time
 
+from ringlet import _env
 from ringlet.errors import DistNetworkError, DistStoreError
 from ringlet.store._secret import read_secret
 
@@ -44,6 +53,8 @@ MAX_RESPONSE_BYTES = 1 << 34  # a multi_get may return many values; the server i
 MAX_KEYS = 1 << 22  # keys per store (per job)
 MAX_CONNECTIONS = 4096
 MAX_PENDING = 256  # connections still in their handshake; the oldest goes when a new one comes
+TORCH_HELLO = b"\x00" + struct.pack("<I", 0x3C85F7CE)  # torch's TCPStore client speaks first: this
+GREETING_PROBE_S = 2.0  # under torchrun: no greeting this long -> ask whether torch's store answers
 HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection is dropped after this
 
 # Handshake flags.
@@ -183,8 +194,36 @@ class DeadlinePassed(Exception):
         self.mid_frame = mid_frame
 
 
+def torch_store_answers(sock: socket.socket, deadline: float) -> bool:
+    """Whether the peer answers torch's TCPStore ping (validate, then ping: torch's server echoes
+    the 4-byte value); the connection is spent either way.  Only asked of a peer that accepted
+    a connection but sent no ringlet greeting ([Note: store protocol])."""
+    value = os.getpid() & 0x7FFFFFFF
+    try:
+        sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        sock.sendall(TORCH_HELLO + b"\x0d" + struct.pack("<I", value))
+        return recv_exact(sock, 4, deadline) == struct.pack("<I", value)
+    except (OSError, DeadlinePassed, ConnectionLost):
+        return False
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun started this process (its agent then serves torch's TCPStore on
+    MASTER_PORT), rather than ringlet-run (which says so with ``RINGLET_AGENT_STORE``)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not _env.agent_store()
+
+
+TORCH_MIXUP = (
+    "this process was started by torchrun (TORCHELASTIC_USE_AGENT_STORE=True), whose agent "
+    "serves torch's own TCPStore at MASTER_ADDR:MASTER_PORT ({where}); ringlet's store speaks "
+    "another protocol. Launch programs that use ringlet.distributed with ringlet-run (it takes "
+    "torchrun's flags), or keep torchrun and use torch.distributed"
+)
+
+
 def client_handshake(
-    sock: socket.socket, token: bytes | None, join: bool, rank: int, deadline: float, where: str
+    sock: socket.socket, token: bytes | None, join: bool, rank: int, deadline: float, where: str,
+    probe_torch: bool = False,
 ) -> bytes | None:
     """The client's half of the handshake (see the note at the top); returns the token it proved
     (``token``, or the host secret it read when it had none).
@@ -192,11 +231,18 @@ def client_handshake(
     Raises:
         DistStoreError: the server refused our run token, or holds a host secret this
             process cannot read (another host or another user).
-        DistNetworkError: the peer is not a ringlet store, or speaks another version.
+        DistNetworkError: the peer is not a ringlet store, or speaks another version, or (with
+            ``probe_torch``: launched by torchrun) is torch's TCPStore.
         ConnectionLost, DeadlinePassed: worth a retry (server full or restarting).
     """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    hello = recv_exact(sock, SERVER_HELLO.size, deadline)
+    greet_by = min(deadline, time.monotonic() + GREETING_PROBE_S) if probe_torch else deadline
+    try:
+        hello = recv_exact(sock, SERVER_HELLO.size, greet_by)
+    except DeadlinePassed as e:   # torch's server waits for its client to speak first
+        if not e.mid_frame and greet_by < deadline and torch_store_answers(sock, deadline):
+            raise DistNetworkError(TORCH_MIXUP.format(where=where), store=where) from None
+        raise
     magic, version, server_flags, nonce, sid = SERVER_HELLO.unpack(hello)
     if magic != MAGIC:
         raise DistNetworkError(

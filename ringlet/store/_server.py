@@ -67,6 +67,7 @@ class StoreServer:
         self._accept_paused_until = 0.0  # EMFILE back-off: the listener is out of the selector
         self._accept_backoff = 0.0
         self._handshake_s = P.HANDSHAKE_TIMEOUT_S  # read now, so tests can shorten it
+        self._told_torch = False  # a torch client was reported (once per server)
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._table = T.KeyTable()
@@ -224,6 +225,8 @@ class StoreServer:
             if not data:
                 raise P.ProtocolError("closed during the handshake")
             conn.hello += data
+            if conn.hello[:len(P.TORCH_HELLO)] == P.TORCH_HELLO:
+                self._torch_client(conn)
             if len(conn.hello) == P.CLIENT_HELLO.size:
                 self._authenticate(conn)
             return
@@ -232,6 +235,17 @@ class StoreServer:
             raise P.ProtocolError("closed by the client")
         for payload in conn.reader.feed(data):
             self._on_request(conn, payload)
+
+    def _torch_client(self, conn: _Conn) -> None:
+        """A torch.distributed TCPStore client: say once what went wrong, then drop it."""
+        if not self._told_torch:
+            self._told_torch = True
+            log.warning(
+                "ringlet store %s: a torch.distributed client connected (torch's TCPStore "
+                "protocol; this store is ringlet's): a program written for torch.distributed was "
+                "started by ringlet-run, or given a ringlet store's address. Launch it with "
+                "torchrun, or port it to ringlet.distributed (docs/migration.md)", self.where)
+        raise P.ProtocolError("a torch.distributed TCPStore client")
 
     def _authenticate(self, conn: _Conn) -> None:
         magic, version, flags, mac, rank = P.CLIENT_HELLO.unpack(conn.hello)
@@ -395,8 +409,11 @@ def bind_listener(host: str, port: int, backlog: int = 2048) -> socket.socket:
     except OSError as e:
         sock.close()
         name = errno.errorcode.get(e.errno or 0, str(e.errno))
+        hint = ""
+        if e.errno == errno.EADDRINUSE and P.under_torchrun():
+            hint = "; " + P.TORCH_MIXUP.format(where=f"{host}:{port}")
         raise DistNetworkError(
-            f"TCPStore server could not bind {host}:{port}: {name} ({e.strerror})",
+            f"TCPStore server could not bind {host}:{port}: {name} ({e.strerror}){hint}",
             host=host, port=port, errno=name,
         ) from None
     return sock

@@ -220,7 +220,8 @@ class TCPStore(Store):
     def _handshake(self, sock: socket.socket, join: bool, deadline: float) -> _ClientConn:
         rank = self._rank if join and self._rank is not None else -1
         # Without a token the handshake proves the host secret; later connections reuse it.
-        self._token = P.client_handshake(sock, self._token, join, rank, deadline, self._where)
+        self._token = P.client_handshake(sock, self._token, join, rank, deadline, self._where,
+                                         probe_torch=P.under_torchrun())
         conn = _ClientConn(sock)
         with self._conns_lock:
             self._conns.add(conn)
