@@ -15,6 +15,7 @@ Usage::
     python scripts/conformance.py --impl torch --world-size 3
     python scripts/conformance.py --impl ringlet -k all_reduce -k barrier
     python scripts/conformance.py --impl ringlet --ci         # the short list CI runs
+    python scripts/conformance.py --impl torch-backend        # torch's stack on backend "ringlet"
     python scripts/conformance.py --list                      # the selected tests, no run
 
 Prints one line per test and ``N passed, N failed, N skipped``; exits 1 when a test failed.
@@ -203,6 +204,8 @@ def load_suite(impl: str) -> types.ModuleType:
     path = suite_path()
     with open(path) as f:
         source = f.read()
+    if impl == "torch-backend":      # torch's suite as it is, its groups on backend "ringlet"
+        import ringlet  # registers the backend
     if impl == "ringlet":
         source = substitute(source)
         from torch.testing._internal import common_distributed
@@ -216,6 +219,7 @@ def load_suite(impl: str) -> types.ModuleType:
     mod.__file__ = path
     sys.modules[mod.__name__] = mod
     exec(compile(source, path, "exec"), mod.__dict__)  # noqa: S102 - torch's own test file
+    mod.INIT_BACKEND = "ringlet" if impl == "torch-backend" else mod.BACKEND
     from torch.testing._internal.common_distributed import TEST_SKIPS
 
     SKIP_CODES.update({s.exit_code: s.message for s in TEST_SKIPS.values()})
@@ -292,7 +296,7 @@ def _rank_main(mod: types.ModuleType, cls: type, name: str, rank: int, init_file
     seconds = mod.CUSTOM_PG_TIMEOUT.get(name, mod.default_pg_timeout)
     code = 0
     try:
-        dist.init_process_group(init_method=self.init_method, backend=mod.BACKEND,
+        dist.init_process_group(init_method=self.init_method, backend=mod.INIT_BACKEND,
                                 world_size=int(self.world_size), rank=rank,
                                 timeout=timedelta(seconds=seconds))
         self._barrier()
@@ -392,7 +396,9 @@ def _exception_line(tb: str) -> str:
 # -- the run -------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--impl", choices=("torch", "ringlet"), default="ringlet")
+    ap.add_argument("--impl", choices=("torch", "ringlet", "torch-backend"), default="ringlet",
+                    help="torch: torch's stack; ringlet: the suite migrated to ringlet's API; "
+                         "torch-backend: torch's stack with its groups on backend 'ringlet'")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("-k", dest="patterns", action="append", default=[],
                     help="run only tests whose name matches (regular expression; repeatable)")
