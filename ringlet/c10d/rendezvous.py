@@ -14,6 +14,7 @@ import os
 import secrets
 import socket
 import time
+import warnings
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -61,6 +62,21 @@ def _env_int(name: str) -> int:
         raise ValueError(f"init_process_group: {name}: expected an int, got {raw!r}") from None
 
 
+def _check_launcher_agrees(rank: int, world_size: int) -> None:
+    """Under a launcher (ringlet-run or torchrun), ``world_size``/``rank`` given explicitly must
+    be the launcher's: it started ``WORLD_SIZE`` processes, so a larger world would wait the whole
+    timeout for ranks that never come."""
+    if not (_env.agent_store() or os.environ.get("TORCHELASTIC_RUN_ID")):
+        return
+    for arg, name, given in (("world_size", "WORLD_SIZE", world_size), ("rank", "RANK", rank)):
+        raw = os.environ.get(name)
+        if given >= 0 and raw is not None and raw.strip() != str(given):
+            raise ValueError(
+                f"init_process_group: {arg}: expected {raw} ({name}, set by the launcher that "
+                f"started this process), got {given}; leave {arg} out to take the launcher's, or "
+                "launch as many processes as the script expects (--nproc-per-node)")
+
+
 def store_from_init_method(init_method: str | None, rank: int, world_size: int,
                            timeout: timedelta) -> tuple[Any, int, int]:
     """Build the store for ``init_method`` (env://, tcp://host:port, file://path)."""
@@ -73,6 +89,7 @@ def store_from_init_method(init_method: str | None, rank: int, world_size: int,
     if "world_size" in query:
         world_size = int(query["world_size"])
     if url.scheme == "env":
+        _check_launcher_agrees(rank, world_size)
         if rank < 0:
             rank = _env_int("RANK")
         if world_size < 0:
@@ -100,6 +117,8 @@ def store_from_init_method(init_method: str | None, rank: int, world_size: int,
 
 def rendezvous(store: Any, rank: int, world_size: int, backend: str, timeout: float) -> list[str]:
     """Every rank announces itself; returns each rank's host key.  See the module docstring."""
+    if rank == 0:
+        warn_nccl_without_cuda(backend)
     me = {"host": host_key(), "hostname": socket.gethostname(), "pid": os.getpid(),
           "world_size": world_size, "backend": backend, "version": RINGLET_VERSION,
           "nonce": secrets.token_hex(8)}
@@ -132,6 +151,28 @@ def rendezvous(store: Any, rank: int, world_size: int, backend: str, timeout: fl
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
     return [infos[r]["host"] for r in range(world_size)]
+
+
+_told_nccl = False
+
+
+def warn_nccl_without_cuda(backend: str) -> None:
+    """Once per process (rank 0): NCCL was asked for on a machine without CUDA.  ringlet's
+    ``nccl`` also serves CPU tensors (on its own transport), so such a job runs -- entirely on the
+    CPU, which a user who expected GPUs should hear about."""
+    global _told_nccl
+    if _told_nccl or "nccl" not in backend:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    _told_nccl = True
+    warnings.warn(
+        f"init_process_group: backend {backend!r} sends CUDA tensors to NCCL, but this machine "
+        "has no usable CUDA device (torch.cuda.is_available() is False): every tensor is a CPU "
+        "tensor and the job runs on ringlet's CPU transport, not on GPUs; pass backend='gloo' "
+        "for CPU training, or check the CUDA driver and CUDA_VISIBLE_DEVICES", stacklevel=4)
 
 
 def _compare(store: Any, rank: int, me: dict[str, Any], r: int, other: dict[str, Any]) -> None:
