@@ -111,3 +111,48 @@ def test_tp_ddp_parameters_and_gradients_match_a_dense_model(late_optimizer: boo
                 assert max(d for _, _, d in got.values()) < 1e-5, (key, got)
         for got in r["reload"]:
             assert max(d for _, _, d in got.values()) < 1e-5, got
+
+
+def _optimizer_state(rank: int, world: int) -> dict[str, float]:
+    from ringlet.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    dense = MLP()
+    model = parallelize_module(copy.deepcopy(dense), mesh["tp"],
+                               {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+    ddp = DDP(model, device_mesh=mesh["dp"])             # applies the transform itself
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.1)     # over the local pieces
+    dense_opt = torch.optim.Adam(dense.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.randn(4, 10, generator=torch.Generator().manual_seed(step))
+        ddp(x).sum().backward()
+        dense(x).sum().backward()
+        opt.step()
+        dense_opt.step()
+    want = {n: dense_opt.state[p]["exp_avg"] for n, p in dense.named_parameters()}
+    osd = get_optimizer_state_dict(ddp, opt)             # keyed by name, DTensor moments
+    out = {n: (osd["state"][n]["exp_avg"].full_tensor() - w).abs().max().item()
+           for n, w in want.items()}
+    saved = {"state": {n: {k: v.full_tensor().clone() if isinstance(v, DTensor) else v.clone()
+                           for k, v in st.items()} for n, st in osd["state"].items()},
+             "param_groups": osd["param_groups"]}
+    for st in opt.state.values():
+        st["exp_avg"].zero_()
+    set_optimizer_state_dict(ddp, opt, saved)            # full tensors -> local pieces
+    locals_ = dict(zip(want, [p for g in opt.param_groups for p in g["params"]], strict=True))
+    views = dict(model.named_parameters())               # the DTensor parameters
+    for n, p in locals_.items():
+        got, v = opt.state[p]["exp_avg"], views[n]
+        out[f"reloaded {n}"] = -1.0 if isinstance(got, DTensor) else (DTensor.from_local(
+            got, v.device_mesh, v.placements, shape=v.shape).full_tensor() - want[n]
+        ).abs().max().item()
+    return out
+
+
+def test_tp_ddp_optimizer_state_dict_holds_dtensor_moments() -> None:
+    for r in run_threads(_optimizer_state, 2):
+        assert sorted(r)[:4] == ["net1.bias", "net1.weight", "net2.bias", "net2.weight"], r
+        assert all(0.0 <= d < 1e-5 for d in r.values()), sorted(r.items())

@@ -23,6 +23,7 @@ from ringlet.checkpoint._sd_utils import (
     shard_like,
     to_full,
 )
+from ringlet.parallel.ddp import _tp
 
 __all__ = ["get", "init_state", "set_"]
 
@@ -58,10 +59,12 @@ def _names(model: nn.Module, optim: torch.optim.Optimizer) -> list[str]:
     fqns = param_fqns(model)
     out = []
     for p in _ordered_params(optim):
-        if id(p) not in fqns:
+        view = _tp.dp_view(p)      # DDP over TP: the local piece of a DTensor parameter
+        name = fqns.get(id(p), fqns.get(id(view)) if view is not None else None)
+        if name is None:
             raise ValueError("optimizer holds a parameter of shape "
                              f"{list(p.shape)} that is not in the model")
-        out.append(fqns[id(p)])
+        out.append(name)
     return out
 
 
@@ -73,8 +76,10 @@ def get(model: nn.Module, optimizers: list[torch.optim.Optimizer], opts: Any) ->
         init_state(optim)
         names = _names(model, optim)
         osd = optim.state_dict()
+        params = _ordered_params(optim)
         for idx, per_param in osd["state"].items():
-            state[names[idx]] = {k: _convert(v, opts, keep) for k, v in per_param.items()}
+            state[names[idx]] = {k: _convert(_tp.local_state_to_view(params[idx], v), opts, keep)
+                                 for k, v in per_param.items()}
         for g in osd["param_groups"]:
             groups.append({**{k: v for k, v in g.items() if k != "params"},
                            "params": [names[i] for i in g["params"]]})
@@ -107,7 +112,10 @@ def set_(model: nn.Module, optimizers: list[torch.optim.Optimizer],
         state = {}
         for i, (name, p) in enumerate(zip(names, params, strict=True)):
             if name in saved_state:
-                state[i] = {k: shard_like(p, v) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                like = _tp.dp_view(p)
+                like = p if like is None else like
+                state[i] = {k: _tp.view_state_to_local(p, shard_like(like, v))
+                            if isinstance(v, torch.Tensor) else copy.deepcopy(v)
                             for k, v in saved_state[name].items()}
         groups, start = [], 0
         for g in optim.param_groups:

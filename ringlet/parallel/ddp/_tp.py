@@ -68,7 +68,10 @@ __all__ = [
     "_reconstruct_dtensor",
     "_update_module_param",
     "check_dp_orthogonal",
+    "dp_view",
     "has_dtensor_params",
+    "local_state_to_view",
+    "view_state_to_local",
 ]
 
 _MARK = "_ringlet_dp_transformed"       # set on a module once _pre_dp_module_transform ran
@@ -272,6 +275,33 @@ def _local_piece(full: torch.Tensor, spec: Any) -> torch.Tensor:
     """This rank's piece of a full tensor laid out by ``spec`` (no communication)."""
     dt = make_dtensor(full.detach(), spec.mesh, (Replicate(),) * spec.mesh.ndim, spec.shape)
     return dt.redistribute(spec.mesh, spec.placements).to_local()
+
+
+def dp_view(p: torch.Tensor) -> Any:
+    """The DTensor parameter a local parameter made by the transform stands for, else None."""
+    return getattr(p, "_dp_view", None) if getattr(p, "_st_info", None) is not None else None
+
+
+def local_state_to_view(p: torch.Tensor, value: Any) -> Any:
+    """An optimizer-state value of local parameter ``p`` (``exp_avg``, ...) as a DTensor in the
+    DTensor parameter's layout, so checkpoints hold every rank's piece; other values unchanged."""
+    if (dp_view(p) is None or not isinstance(value, torch.Tensor) or isinstance(value, DTensor)
+            or tuple(value.shape) != tuple(p.shape)):
+        return value
+    spec = p._st_info  # type: ignore[attr-defined]
+    return make_dtensor(value, spec.mesh, spec.placements, spec.shape, spec.stride)
+
+
+def view_state_to_local(p: torch.Tensor, value: Any) -> Any:
+    """The inverse of :func:`local_state_to_view`: a DTensor value of the DTensor parameter's
+    shape becomes ``p``'s local piece (redistributed first if laid out otherwise)."""
+    view = dp_view(p)
+    if view is None or not isinstance(value, DTensor) or tuple(value.shape) != tuple(view.shape):
+        return value
+    spec = p._st_info  # type: ignore[attr-defined]
+    if tuple(value.placements) != tuple(spec.placements):
+        value = value.redistribute(spec.mesh, spec.placements)
+    return value.to_local()
 
 
 def has_dtensor_params(module: nn.Module) -> bool:
