@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["Leaf", "Path", "decode_value", "encode_value", "flatten", "join_path", "lists_back",
-           "replace_leaves", "tree_from_paths"]
+__all__ = ["MAX_DEPTH", "Leaf", "Path", "decode_value", "encode_value", "flatten", "join_path",
+           "lists_back", "replace_leaves", "tree_from_paths"]
 
 Path = tuple[str | int, ...]
+MAX_DEPTH = 256     # parts of a path: deeper state dicts are refused on save and in metadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,9 @@ def flatten(state_dict: dict[str, Any]) -> dict[str, Leaf]:
 
 
 def _walk(node: Any, path: Path) -> Iterator[tuple[Path, Any]]:
+    if len(path) > MAX_DEPTH:
+        raise ValueError(f"state_dict: {join_path(path[:8])!r}...: nested more than {MAX_DEPTH} "
+                         "levels deep; a checkpoint holds paths of at most that many parts")
     if isinstance(node, dict) and node:
         for k, v in node.items():
             if isinstance(k, bool) or not isinstance(k, str | int):

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ringlet.checkpoint._flatten import Path, decode_value, join_path
-from ringlet.checkpoint._geometry import Box
+from ringlet.checkpoint._flatten import MAX_DEPTH, Path, decode_value, join_path
+from ringlet.checkpoint._geometry import Box, find_overlap, tiles_exactly
 
 __all__ = [
     "BLOCK_BYTES",
@@ -158,13 +158,20 @@ def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
     return v
 
 
-def _ints(v: Any, what: str) -> tuple[int, ...]:
+def _ints(v: Any, what: str, field: str = "") -> tuple[int, ...]:
+    """``v``: a list of at most 64 integers in [0, 2**62] (``what.field`` in errors)."""
+    if isinstance(v, list) and len(v) <= 64 and all(
+            type(x) is int and 0 <= x <= 1 << 62 for x in v):
+        return tuple(v)
+    what = f"{what}.{field}" if field else what
     if not isinstance(v, list) or len(v) > 64:
         raise ValueError(f"{what}: expected a list of at most 64 integers, got {v!r:.80}")
     return tuple(_int(x, what) for x in v)
 
 
 def _path(v: Any, key: str) -> Path:
+    if isinstance(v, list) and len(v) > MAX_DEPTH:
+        raise ValueError(f"{key!r:.80}: path: expected at most {MAX_DEPTH} parts, got {len(v)}")
     if not isinstance(v, list) or not v or not all(
             isinstance(p, str | int) and not isinstance(p, bool) for p in v):
         raise ValueError(f"{key!r}: path: expected a non-empty list of str/int, got {v!r:.80}")
@@ -197,6 +204,9 @@ def _parse(doc: Any) -> Metadata:
     both = set(tensors) & set(values)
     if both:
         raise ValueError(f"keys {sorted(both)[:5]} are both tensors and values")
+    _check_paths([(f"tensors[{k!r:.80}]", t.path) for k, t in tensors.items()]
+                 + [(f"values[{k!r:.80}]", p) for k, (p, _) in values.items()])
+    _check_byte_ranges(tensors)
     return Metadata(save_id, _int(doc["world_size"], "world_size", 1), files, tensors, values)
 
 
@@ -223,13 +233,13 @@ def _chunk(meta: TensorMeta, i: int, c: Any, files: dict[str, int]) -> ChunkMeta
     what = f"tensors[{meta.key!r}].chunks[{i}]"
     if not isinstance(c, dict):
         raise TypeError(f"{what}: expected an object")
-    box = Box.of(_ints(c["offsets"], f"{what}.offsets"), _ints(c["sizes"], f"{what}.sizes"))
+    box = Box(_ints(c["offsets"], what, "offsets"), _ints(c["sizes"], what, "sizes"))
     ends = zip(box.offsets, box.sizes, meta.shape, strict=True)   # iterated only when lengths match
     if len(box.sizes) != len(meta.shape) or any(o + s > n for o, s, n in ends):
         raise ValueError(f"{what}: box {box} does not fit the shape {list(meta.shape)}")
-    name = check_file_name(c["file"])
-    if name not in files:
-        raise ValueError(f"{what}.file: {name!r} is not listed under files")
+    name = c["file"]
+    if not isinstance(name, str) or name not in files:    # files' names are checked already
+        raise ValueError(f"{what}.file: {check_file_name(name)!r} is not listed under files")
     begin, end = _int(c["begin"], f"{what}.begin"), _int(c["end"], f"{what}.end")
     if end - begin != box.numel * meta.itemsize or end > files[name]:
         raise ValueError(f"{what}: byte range [{begin}, {end}) does not hold {box.numel} x "
@@ -237,16 +247,74 @@ def _chunk(meta: TensorMeta, i: int, c: Any, files: dict[str, int]) -> ChunkMeta
     crcs = c["crc32"]
     if not isinstance(crcs, list) or len(crcs) != n_blocks(end - begin):
         raise ValueError(f"{what}.crc32: expected {n_blocks(end - begin)} checksums")
-    return ChunkMeta(box, name, begin, end,
-                     tuple(_int(x, f"{what}.crc32", 0, 0xFFFFFFFF) for x in crcs))
+    if not all(type(x) is int and 0 <= x <= 0xFFFFFFFF for x in crcs):
+        for x in crcs:
+            _int(x, f"{what}.crc32", 0, 0xFFFFFFFF)
+    return ChunkMeta(box, name, begin, end, tuple(crcs))
 
 
 def _check_tiling(key: str, shape: tuple[int, ...], chunks: tuple[ChunkMeta, ...]) -> None:
-    """The chunks must cover the tensor exactly once: no overlap, nothing missing."""
-    for i, a in enumerate(chunks):
-        for b in chunks[i + 1:]:
-            if a.box.overlaps(b.box):
-                raise ValueError(f"tensors[{key!r}]: chunks {a.box} and {b.box} overlap")
-    if sum(c.box.numel for c in chunks) != math.prod(shape):
-        raise ValueError(f"tensors[{key!r}]: chunks hold {sum(c.box.numel for c in chunks)} of the "
+    """The chunks must cover the tensor exactly once: no overlap, nothing missing (in one pass
+    over the chunks' corners, not by comparing every pair)."""
+    boxes = [c.box for c in chunks]
+    exact = tiles_exactly(shape, boxes)
+    if exact is None:
+        raise ValueError(f"tensors[{key!r}]: {len(chunks)} chunks cut too many dims to check "
+                         "(ringlet cuts a tensor along at most a few dims)")
+    if exact:
+        return
+    pair = find_overlap(boxes)
+    if pair is not None:
+        a, b = (chunks[i] for i in pair)
+        raise ValueError(f"tensors[{key!r}]: chunks[{pair[0]}] {a.box} and chunks[{pair[1]}] "
+                         f"{b.box} overlap")
+    held = sum(c.box.numel for c in chunks)
+    if held != math.prod(shape):
+        raise ValueError(f"tensors[{key!r}]: chunks hold {held} of the "
                          f"{math.prod(shape)} elements of shape {list(shape)}")
+    raise ValueError(f"tensors[{key!r}]: chunks overlap (and leave as many elements uncovered)")
+
+
+def _check_byte_ranges(tensors: dict[str, TensorMeta]) -> None:
+    """No two chunks -- of one tensor or of two -- may store their bytes in the same place of a
+    file (ringlet never writes such files; reading them would multiply what the file holds)."""
+    by_file: dict[str, list[tuple[int, int, str, int]]] = {}
+    for key, t in tensors.items():
+        for i, c in enumerate(t.chunks):
+            if c.end > c.begin:
+                by_file.setdefault(c.file, []).append((c.begin, c.end, key, i))
+    for name, spans in by_file.items():
+        spans.sort()
+        last = spans[0]
+        for span in spans[1:]:
+            if span[0] < last[1]:
+                raise ValueError(
+                    f"files[{name!r}]: bytes [{span[0]}, {min(span[1], last[1])}) are claimed by "
+                    f"both tensors[{last[2]!r:.80}].chunks[{last[3]}] and "
+                    f"tensors[{span[2]!r:.80}].chunks[{span[3]}] (byte ranges may not overlap)")
+            if span[1] > last[1]:
+                last = span
+
+
+_END = None   # marks, in _check_paths' tree, where an entry's path ends (parts are str or int)
+
+
+def _check_paths(paths: list[tuple[str, Path]]) -> None:
+    """No entry's path may run through another entry (``a`` and ``a.b`` as paths ``["a"]`` and
+    ``["a", "b"]``): the tree they spell would put a leaf where a dict must be."""
+    root: dict[Any, Any] = {}
+    for field, path in paths:
+        node = root
+        for part in path:
+            if _END in node:
+                raise ValueError(f"{field}.path: {list(path)!r:.80} runs through "
+                                 f"{node[_END]}, which is itself an entry")
+            node = node.setdefault(part, {})
+        if node:
+            below = node
+            while _END not in below:
+                below = next(iter(below.values()))
+            raise ValueError(f"{field}.path: {list(path)!r:.80} is an entry and also the start "
+                             f"of {below[_END]}")
+        node[_END] = field
+
