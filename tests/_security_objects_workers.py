@@ -27,6 +27,17 @@ class _Rebuild:
         return (self.fn, self.args)
 
 
+class _Built(_Rebuild):
+    """Pickles as ``fn(*args)`` followed by ``BUILD state`` (a tensor's legacy ``set_(*state)``)."""
+
+    def __init__(self, fn: Any, args: tuple[Any, ...], state: Any) -> None:
+        super().__init__(fn, *args)
+        self.state = state
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return (self.fn, self.args, self.state)
+
+
 def _csr_issue() -> torch.Tensor:
     """The tensor of the report: CSR built without checking, column indices out of range."""
     return torch.sparse_csr_tensor(torch.tensor([0, 2, 4]), torch.tensor([0, 10**8, 5, -7]),
@@ -95,6 +106,7 @@ def strided_tensors() -> dict[str, Any]:
         "nested sizes": _Rebuild(U._rebuild_nested_tensor, torch.ones(4),
                                  torch.tensor([[2000], [2]]), torch.tensor([[1], [1]]),
                                  torch.tensor([0, 1])),
+        "legacy set_ state": _Built(torch.Tensor, (), (_storage(), 1000, (4,), (1,))),
         "wrapper subclass": _Rebuild(U._rebuild_wrapper_subclass, torch.Tensor, torch.float32,
                                      (1000,), (1,), 0, torch.strided, torch.device("cpu"), False),
     }

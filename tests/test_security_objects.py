@@ -109,6 +109,23 @@ def test_refused_even_when_torch_skips_its_own_validation(monkeypatch: pytest.Mo
         objects._decode(payload, 2, "all_gather_object")
 
 
+def test_memory_the_payload_did_not_carry_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Legacy constructors (``torch.Tensor(n)``, ``UntypedStorage(n)``) allocate what a tiny
+    payload asks for: the tensors and storages of a decoded object hold at most the cap."""
+    monkeypatch.setenv("RINGLET_SAFE_OBJECTS", "1")
+    monkeypatch.setattr(objects, "MAX_OBJECT_BYTES", 8192)
+    small = objects._encode({"t": W._Rebuild(torch.Tensor, 1000)})
+    assert small is not None and objects._decode(small, 0, "x")["t"].shape == (1000,)
+    for what, obj in (("tensor", W._Rebuild(torch.Tensor, 5000)),
+                      ("storage", W._Rebuild(torch.UntypedStorage, 20000)),
+                      ("two tensors", [W._Rebuild(torch.Tensor, 1500)] * 2 + [torch.ones(900)])):
+        payload = objects._encode(obj)
+        assert payload is not None and len(payload) < 8192, what
+        with pytest.raises(Exception, match=r"refuses the object from rank 1: its tensors hold "
+                                            r"\d+ bytes, above the 8192-byte cap"):
+            objects._decode(payload, 1, "broadcast_object_list")
+
+
 # -- compression and declared sizes --------------------------------------------------------------
 def _recompress(archive: bytes, method: int, only: str = "") -> bytes:
     """The same archive with its records (or those ending with ``only``) written with

@@ -141,10 +141,28 @@ def _children(o: Any) -> list[Any]:
     return out
 
 
-def check_tensors(obj: Any) -> str | None:
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The memory ``t`` holds (a sparse tensor: its index and value tensors'; meta: none)."""
+    if t.device.type == "meta":
+        return []
+    if t.layout is torch.sparse_coo:
+        parts = [t._indices(), t._values()]
+    elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = [t.crow_indices(), t.col_indices(), t.values()]
+    elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = [t.ccol_indices(), t.row_indices(), t.values()]
+    else:
+        return [t.untyped_storage()]
+    return [p.untyped_storage() for p in parts]
+
+
+def check_tensors(obj: Any, cap: int | None = None) -> str | None:
     """Why ``obj`` (a decoded object) may not be handed to the caller, or None: every tensor it
-    reaches is checked (iteratively: a deep nesting cannot exhaust the stack)."""
+    reaches is checked (iteratively: a deep nesting cannot exhaust the stack), and together their
+    storages may hold at most ``cap`` bytes (legacy constructors such as ``torch.Tensor(n)``
+    allocate memory the payload never carried)."""
     seen: set[int] = set()
+    held: dict[int, int] = {}
     stack = [obj]
     while stack:
         o = stack.pop()
@@ -155,10 +173,19 @@ def check_tensors(obj: Any) -> str | None:
             problem = _tensor_problem(o)
             if problem is not None:
                 return problem
+            held.update((s.data_ptr(), s.nbytes()) for s in _storages(o))
             stack.append(o.grad)
             stack.extend(getattr(o, "__dict__", {}).values())
             continue
+        if isinstance(o, torch.UntypedStorage | torch.storage.TypedStorage):
+            s = o if isinstance(o, torch.UntypedStorage) else o.untyped_storage()
+            if s.device.type != "meta":
+                held[s.data_ptr()] = s.nbytes()
+            continue
         stack.extend(_children(o))
+    if cap is not None and sum(held.values()) > cap:
+        return (f"its tensors hold {sum(held.values())} bytes, above the {cap}-byte cap (memory "
+                "the payload did not carry)")
     return None
 
 
@@ -229,7 +256,7 @@ def decode(body: bytes, rank: int, op: str, cap: int) -> Any:
     except Exception as e:  # noqa: BLE001 - whatever went wrong, never fall back to pickle
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise refused(rank, op, f"it does not rebuild into valid tensors: {first}") from None
-    why = check_tensors(obj)
+    why = check_tensors(obj, cap)
     if why is not None:
         raise refused(rank, op, why)
     return obj
