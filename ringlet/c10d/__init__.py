@@ -62,7 +62,7 @@ from ringlet.c10d.options import (
 from ringlet.c10d.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from ringlet.c10d.pg_methods import install_functional_api as _install
 from ringlet.c10d.reduce_op import ReduceOp, _make_nccl_premul_sum, reduce_op
-from ringlet.c10d.subgroups import split_group
+from ringlet.c10d.subgroups import new_subgroups, new_subgroups_by_enumeration, split_group
 from ringlet.c10d.tools import agree, report_stragglers, stats
 from ringlet.c10d.work import Work
 from ringlet.c10d.world import (
@@ -80,8 +80,6 @@ from ringlet.c10d.world import (
     is_available,
     is_initialized,
     new_group,
-    new_subgroups,
-    new_subgroups_by_enumeration,
 )
 from ringlet.c10d.world_info import (
     DebugLevel,

@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from ringlet import _env
-from ringlet.c10d import _cuda, debug
+from ringlet.c10d import _creation, _cuda, debug
 from ringlet.c10d._current import _set_world, current_world
 from ringlet.c10d.group import ProcessGroup
 from ringlet.c10d.rendezvous import check_ranks, rendezvous, store_from_init_method
@@ -28,6 +28,7 @@ from ringlet.transport import select
 
 __all__ = [
     "GroupMember",
+    "create_groups",
     "current_world",
     "destroy_process_group",
     "get_backend",
@@ -42,8 +43,6 @@ __all__ = [
     "is_available",
     "is_initialized",
     "new_group",
-    "new_subgroups",
-    "new_subgroups_by_enumeration",
     "resolve_group",
 ]
 
@@ -66,6 +65,8 @@ class _World:
     watchdog: Any = None
     meshes: list[Any] = dataclasses.field(default_factory=list)   # weakrefs to root DeviceMeshes
     device: Any = None              # init_process_group(device_id=...): the bound CUDA device
+    # group creations so far, per set of ranks that make them ([Note: group creation])
+    creations: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
 
 
 # Inits per (store, rank): every rank re-initializes on a store as often as the others, so the
@@ -248,9 +249,16 @@ def _make_group(w: _World, ranks: list[int], gid: str, spec: str, given: str | N
     from ringlet.store import PrefixStore
 
     me = ranks.index(w.rank)
-    gstore = PrefixStore(f"pg/{gid}", w.store)
-    transport, resolved = select.open_transport(spec, gstore, me, [w.hosts[r] for r in ranks],
-                                                timeout, desc)
+    hosts = [w.hosts[r] for r in ranks]
+    if gid == "default_pg":     # the rendezvous has just seen every rank
+        gstore: Any = PrefixStore(f"pg/{gid}", w.store)
+    else:                       # a member that fails or leaves is named ([Note: group creation])
+        gstore = _creation.SetupStore(f"pg/{gid}", w, gid, ranks, desc)
+    try:
+        transport, resolved = select.open_transport(spec, gstore, me, hosts, timeout, desc)
+    except BaseException as e:
+        _creation.note_failure(w.store, gid, w.rank, e)
+        raise
     pg = ProcessGroup(gid, ranks, me, transport, timeout, _user_name(given, resolved), desc,
                       transport_name=resolved,
                       hang_reporter=lambda g, err: debug.hang_report(w.store, g, err),
@@ -274,6 +282,7 @@ def destroy_process_group(group: Any = None) -> None:
         return
     if w.watchdog is not None:
         w.watchdog.stop()
+    _creation.note_left(w.store, w.rank, "destroy_process_group")
     for pg in reversed(w.groups):
         if debug.log.isEnabledFor(logging.INFO):
             debug.log.info("rank %d: %s: %s", w.rank, pg, debug.group_stats(pg))
@@ -349,8 +358,21 @@ def new_group(ranks: list[int] | None = None, timeout: timedelta | None = None,
     """Create a group of ``ranks`` (global ranks).  Like torch: every rank of the world calls it
     (members only with ``use_local_synchronization=True``); non-members get
     ``GroupMember.NON_GROUP_MEMBER``.  ``sort_ranks=False`` keeps the order given: group rank
-    ``i`` is ``ranks[i]`` (every member must pass the same order)."""
+    ``i`` is ``ranks[i]`` (every member must pass the same order).
+
+    Raises:
+        ValueError: bad ``ranks``; or ranks that passed different ``ranks`` (or backends) to
+            the same call, on every rank, naming each rank's list.
+        PeerFailureError: a rank that left (``destroy_process_group``), died or failed to set
+            the group up instead of joining; named at once, not at the timeout."""
     w = _world()
+    members = _members(w, ranks, sort_ranks)
+    return create_groups([members], timeout, backend, [group_desc or f"group{members}"],
+                         local=use_local_synchronization, what="new_group")[0]
+
+
+def _members(w: _World, ranks: Any, sort_ranks: bool = True) -> list[int]:
+    """``new_group``'s ``ranks`` checked (and sorted unless ``sort_ranks=False``)."""
     members = list(range(w.world_size) if ranks is None else ranks)
     if any(isinstance(r, bool) or not isinstance(r, int) for r in members):
         raise ValueError(f"new_group: ranks: expected ints (global ranks), got {ranks!r}")
@@ -358,86 +380,42 @@ def new_group(ranks: list[int] | None = None, timeout: timedelta | None = None,
         members.sort()
     if len(set(members)) != len(members):
         raise ValueError(f"new_group: ranks: expected distinct ranks, got {ranks}")
-    bad = [r for r in members
-           if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < w.world_size]
-    if bad or not members:
+    if not members or not all(0 <= r < w.world_size for r in members):
         raise ValueError(f"new_group: ranks: expected ranks in [0, {w.world_size}), got {ranks}")
-    key = tuple(members)
-    count = w.group_counts.get(key, 0)
-    w.group_counts[key] = count + 1
-    gid = hashlib.sha1(repr(key).encode()).hexdigest()[:12] + f"-{count}"
-    if w.rank not in members:
-        return GroupMember.NON_GROUP_MEMBER
+    return members
+
+
+def create_groups(lists: list[list[int]], timeout: timedelta | float | None = None,
+                  backend: str | None = None, descs: list[str] | None = None, *,
+                  local: bool = False, scope: list[int] | None = None,
+                  what: str = "new_group") -> list[Any]:
+    """Create one group per list of global ranks (checked, in group-rank order) as one creation
+    ([Note: group creation] in ``_creation.py``): every rank of ``scope`` (default: the world;
+    ``local=True``: the members of the one list) calls it with the same lists; returns, per
+    list, the group or ``GroupMember.NON_GROUP_MEMBER``.  ``DeviceMesh`` creates all of its
+    groups with one call."""
+    w = _world()
     spec = select.parse_backend(backend) if backend else w.backend
     seconds = _timeout_seconds(timeout) if timeout is not None else w.timeout
-    desc = group_desc or f"group{members}"
-    return _make_group(w, members, gid, spec, backend or w.backend_name, seconds, desc)
-
-
-def new_subgroups(group_size: int | None = None, group: Any = None,
-                  timeout: timedelta | None = None,
-                  backend: str | None = None, pg_options: Any = None,
-                  group_desc: str | None = None) -> tuple[Any, list[Any]]:
-    """Split ``group`` (default: the world) into consecutive subgroups of ``group_size`` ranks.
-
-    Returns ``(the subgroup holding this rank, every subgroup)``, as torch does.  Every rank of
-    ``group`` calls it with the same arguments; ``group_size`` defaults to ``LOCAL_WORLD_SIZE``
-    (one subgroup per node under the launcher).
-
-    Example::
-
-        mine, everyone = dist.new_subgroups(2)      # world of 4: [0, 1] and [2, 3]
-    """
-    w = _world()
-    parent = list(range(w.world_size)) if group is None else get_process_group_ranks(group)
-    size = group_size if group_size is not None else \
-        int(__import__("os").environ.get("LOCAL_WORLD_SIZE", 0))
-    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-        raise ValueError(f"new_subgroups: group_size: expected a positive int, got {group_size!r}")
-    if size > len(parent):
-        raise ValueError(f"new_subgroups: group_size {size} must not exceed the group's size "
-                         f"{len(parent)}")
-    if len(parent) % size:
-        raise ValueError(f"new_subgroups: group_size: expected a divisor of the group's size "
-                         f"{len(parent)}, got {group_size}")
-    lists = [parent[i:i + size] for i in range(0, len(parent), size)]
-    return new_subgroups_by_enumeration(lists, timeout=timeout, backend=backend,
-                                        group_desc=group_desc)
-
-
-def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]],
-                                 timeout: timedelta | None = None,
-                                 backend: str | None = None, pg_options: Any = None,
-                                 group_desc: str | None = None) -> tuple[Any, list[Any]]:
-    """Make one group per list of global ranks; every rank of the world calls it with the same
-    lists, in the same order.
-
-    Returns:
-        ``(the subgroup holding this rank or None, every subgroup)``; on ranks outside a subgroup
-        its entry is ``GroupMember.NON_GROUP_MEMBER``.
-
-    Raises:
-        ValueError: a rank appears in more than one list.
-
-    Example::
-
-        mine, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])   # world of 4
-    """
-    seen: set[int] = set()
-    for ranks in ranks_per_subgroup_list:
-        if seen & set(ranks):
-            raise ValueError(f"new_subgroups_by_enumeration: rank(s) {sorted(seen & set(ranks))} "
-                             "appear in more than one subgroup")
-        seen |= set(ranks)
-    mine = None
-    subgroups = []
-    for ranks in ranks_per_subgroup_list:
-        g = new_group(ranks, timeout=timeout, backend=backend,
-                      group_desc=f"{group_desc}{ranks}" if group_desc else None)
-        subgroups.append(g)
-        if g is not GroupMember.NON_GROUP_MEMBER:
-            mine = g
-    return mine, subgroups
+    gids = []
+    for members in lists:
+        key = tuple(members)
+        count = w.group_counts.get(key, 0)
+        w.group_counts[key] = count + 1
+        gids.append(hashlib.sha1(repr(key).encode()).hexdigest()[:12] + f"-{count}")
+    if local:
+        scope = list(lists[0])
+    _creation.agree(w, sorted(scope) if scope is not None else list(range(w.world_size)),
+                    [list(m) for m in lists], spec, what)
+    out: list[Any] = []
+    for i, (members, gid) in enumerate(zip(lists, gids, strict=True)):
+        if w.rank not in members:
+            out.append(GroupMember.NON_GROUP_MEMBER)
+            continue
+        desc = descs[i] if descs else f"group{list(members)}"
+        out.append(_make_group(w, list(members), gid, spec, backend or w.backend_name, seconds,
+                               desc))
+    return out
 
 
 def get_process_group_ranks(group: Any) -> list[int]:

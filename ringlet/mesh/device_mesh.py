@@ -66,8 +66,9 @@ class DeviceMesh:
                     coord=_coordinate_of(ranks, w.rank), world_rank=w.rank)
         self._root_groups: list[ProcessGroup | None] = [None] * ranks.dim()
         if _init_backend:
-            self._root_groups = [_axis_groups(ranks, (a,), w, names[a] if names else str(a))
-                                 for a in range(ranks.dim())]
+            self._root_groups = _axis_groups(ranks, [(a,) for a in range(ranks.dim())], w,
+                                             [names[a] if names else str(a)
+                                              for a in range(ranks.dim())])
         self._groups = tuple(self._root_groups)
         self._flat: dict[Axes, ProcessGroup | None] = {}
         self._flat_names: dict[str, Axes] = {}
@@ -264,7 +265,7 @@ class DeviceMesh:
             return root._submesh([axes], (name,))
         if axes not in root._flat:
             w = _world.current_world()
-            root._flat[axes] = _axis_groups(root._mesh, axes, w, name)
+            root._flat[axes] = _axis_groups(root._mesh, [axes], w, [name])[0]
         root._flat_names[name] = axes
         return root._submesh([axes], (name,))
 
@@ -430,16 +431,25 @@ def _coordinate_of(ranks: torch.Tensor, rank: int) -> tuple[int, ...] | None:
     return None if where.numel() == 0 else tuple(int(c) for c in where[0])
 
 
-def _axis_groups(ranks: torch.Tensor, axes: Axes, w: Any, label: str) -> ProcessGroup | None:
-    """Create (on every rank, in order) one group per line along ``axes``; return mine."""
-    others = [a for a in range(ranks.dim()) if a not in axes]
-    lines = ranks.permute(others + list(axes)).reshape(-1, math.prod(ranks.shape[a] for a in axes))
-    mine = None
-    for line in lines.tolist():
-        if line == list(range(w.world_size)):
-            g: Any = w.default_pg       # the whole world in order: reuse the default group
-        else:
-            g = _world.new_group(line, group_desc=f"mesh[{label}]{line}")
+def _axis_groups(ranks: torch.Tensor, axes_list: list[Axes], w: Any,
+                 labels: list[str]) -> list[ProcessGroup | None]:
+    """For each entry of ``axes_list``: the group of this rank along those axes (None: not in
+    the mesh).  Every rank creates every line's group, as one group creation of the world
+    ([Note: group creation] in ringlet/c10d/_creation.py); a line that is the whole world in rank
+    order reuses the default group."""
+    lines_per: list[list[list[int]]] = []
+    for axes in axes_list:
+        others = [a for a in range(ranks.dim()) if a not in axes]
+        size = math.prod(ranks.shape[a] for a in axes)
+        lines_per.append(ranks.permute(others + list(axes)).reshape(-1, size).tolist())
+    world = list(range(w.world_size))
+    new = [(i, line) for i, lines in enumerate(lines_per) for line in lines if line != world]
+    made = _world.create_groups([sorted(line) for _, line in new], None, None,
+                                [f"mesh[{labels[i]}]{line}" for i, line in new],
+                                what=f"DeviceMesh({ranks.tolist()})") if new else []
+    mine: list[ProcessGroup | None] = [
+        w.default_pg if [world] == lines else None for lines in lines_per]
+    for (i, line), g in zip(new, made, strict=True):
         if w.rank in line:
-            mine = g
+            mine[i] = g
     return mine
