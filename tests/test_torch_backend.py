@@ -73,3 +73,42 @@ def test_torch_ddp_names_a_dead_peer(tmp_path) -> None:
     kind, text = raise_first([res[0]])[0]
     assert kind != "none", "rank 0 trained on after its peer died"
     assert "rank 1" in text or "peer" in text.lower(), text
+
+
+def _one_rank(where, **kwargs: object) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    where.mkdir(parents=True, exist_ok=True)
+    tdist.init_process_group("ringlet", init_method=f"file://{where}/init", rank=0,
+                             world_size=1, timeout=timedelta(seconds=20), **kwargs)
+
+
+def test_options_torch_cannot_carry_are_refused_by_name(tmp_path, monkeypatch) -> None:
+    import torch.distributed as tdist
+
+    with pytest.raises(ValueError, match="pg_options: torch's options objects cannot carry"):
+        _one_rank(tmp_path / "a", pg_options=tdist.ProcessGroupGloo._Options())
+    assert not tdist.is_initialized()
+    monkeypatch.setenv("RINGLET_TORCH_TRANSPORT", "inproc")
+    with pytest.raises(ValueError, match="RINGLET_TORCH_TRANSPORT='inproc': expected one of"):
+        _one_rank(tmp_path / "b")
+    assert not tdist.is_initialized()
+
+
+def test_one_rank_group_runs_inline_and_repr_names_ringlet(tmp_path) -> None:
+    import torch
+    import torch.distributed as tdist
+
+    _one_rank(tmp_path / "c")
+    try:
+        pg = tdist.group.WORLD
+        assert type(pg).__name__ == "RingletProcessGroup" and tdist.get_backend() == "ringlet"
+        assert "ringlet" in repr(pg) and pg.ringlet_group.size() == 1
+        t = torch.ones(3)
+        w = tdist.all_reduce(t, op=tdist.ReduceOp.AVG, async_op=True)
+        assert w.is_completed() and w.wait() and w.get_future().value() == [t]
+        assert pg.ringlet_group.counts()["all_reduce"] == 1
+    finally:
+        tdist.destroy_process_group()

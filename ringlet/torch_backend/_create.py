@@ -45,6 +45,11 @@ def create(opts: Any, backend_options: Any = None) -> Any:
     from ringlet.torch_backend._store import TorchStore
     from ringlet.transport import select
 
+    if backend_options is not None:
+        raise ValueError("ringlet backend: init_process_group/new_group: pg_options: torch's "
+                         "options objects cannot carry ringlet's settings, expected None, got "
+                         f"{type(backend_options).__name__} (choose the transport with "
+                         f"{TRANSPORT_ENV}; the timeout is init_process_group's timeout=)")
     rank, size = int(opts.group_rank), int(opts.group_size)
     timeout: timedelta = opts.timeout
     seconds = timeout.total_seconds()
