@@ -58,6 +58,8 @@ def decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     handlers = OVERRIDES.get() if overrides else None
     if handlers is not None and func in handlers:
         return handlers[func](func, args, kwargs)
+    if _reshapes_in_place(func):
+        return _view_in_place(func, args, kwargs)
     call = OpCall(func, args, kwargs)
     rule = rule_for(func)
     if rule is None:
@@ -85,6 +87,8 @@ def decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         flat[pos] = local
     largs, lkwargs = call.rebuild(flat)
     fn = _runner(func, plan)
+    if rule is replicate_rule:      # a kernel we know nothing about: it may make lazy views
+        fn = _with_lazy_views(fn)
     out = fn(*largs, **lkwargs)
     if _flagged(out):           # [Note: lazy conjugate and negative] in ``_api``
         fn = _resolving(fn)
@@ -131,6 +135,56 @@ def alias_context(args: tuple[Any, ...], func: Any = None) -> Any:
 
 
 _NO_CONTEXT = contextlib.nullcontext()
+
+
+@functools.cache
+def _reshapes_in_place(func: Any) -> bool:
+    """Whether ``func`` changes its argument's metadata in place (``unsqueeze_``, ``t_``,
+    ``as_strided_``, ``resize_``...): the wrapper's shape would no longer be the global one."""
+    name: str = func.overloadpacket.__name__
+    if name in ("resize_", "resize_as_", "set_"):
+        return True
+    if not name.endswith("_") or name.endswith("__") or name == "detach_":
+        return False
+    base = getattr(torch.ops.aten, name[:-1], None)
+    if base is None:
+        return False
+    views = [getattr(base, o) for o in base.overloads()]
+    return any(v.is_view and v._schema.arguments and str(v._schema.arguments[0].type) == "Tensor"
+               for v in views)
+
+
+# in-place views that only permute, add or drop size-1 dims: the out-of-place view's rule places
+# the result, and the wrapper's own shape and strides are changed to match
+_IN_PLACE_VIEWS = frozenset({"unsqueeze_", "squeeze_", "transpose_", "t_", "swapdims_",
+                             "swapaxes_"})
+
+
+def _view_in_place(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``unsqueeze_``, ``squeeze_``, ``transpose_``, ``t_`` on a DTensor: the local piece and the
+    wrapper's metadata change in place, the layout is the out-of-place view's.  Other in-place
+    metadata changes (``as_strided_``, ``resize_``, ``set_``) are refused."""
+    name: str = func.overloadpacket.__name__
+    self = args[0] if args else None
+    if name not in _IN_PLACE_VIEWS or not isinstance(self, DTensor):
+        call = OpCall(func, args, kwargs)
+        raise NotImplementedError(
+            f"{func}: changes the shape or strides of {call.describe()} in place, which a "
+            f"DTensor cannot follow; use the out-of-place op ({name.rstrip('_')}) instead")
+    view = getattr(torch.Tensor, name[:-1])(self, *args[1:], **kwargs)
+    local = self._local_tensor
+    if view._local_tensor.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
+        raise NotImplementedError(f"{func}: {self!r} would have to be redistributed to "
+                                  f"{''.join(map(repr, view.placements))}, which an in-place op "
+                                  f"cannot do; use the out-of-place op ({name[:-1]})")
+    func(local, *args[1:], **kwargs)
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+        func(self, *args[1:], **kwargs)        # the wrapper's own sizes and strides
+    if tuple(local.shape) != tuple(view._local_tensor.shape) or self.shape != view.shape:
+        raise AssertionError(f"{func}: in-place view gave {list(local.shape)} locally, "
+                             f"{list(self.shape)} globally; expected {view!r}")
+    self._spec = view._spec
+    return self
 
 
 @functools.cache
@@ -181,6 +235,32 @@ def _runner(func: Any, plan: Plan) -> Any:
 
     def run(*args: Any, **kwargs: Any) -> Any:
         return local_fn(func, args, kwargs)
+    return run
+
+
+_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative)
+_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+
+
+def _with_lazy_views(fn: Any) -> Any:
+    """``fn`` run with torch's conjugate and negative views handled.
+
+    Inside ``__torch_dispatch__`` torch turns off its handling of those views (the dispatch keys
+    above the subclass's are excluded), so a kernel that makes a conjugate view of a plain
+    tensor and computes with it (``linalg.pinv``, ``linalg.lstsq`` on complex inputs) would use
+    the unconjugated values.  Kernels with a rule are plain ones; the replicate fallback runs
+    any op, so it turns the handling back on ([Note: lazy conjugate and negative] in ``_api``).
+    """
+    def run(*args: Any, **kwargs: Any) -> Any:
+        was = [_excluded(k) for k in _KEYS]
+        for k in _KEYS:
+            _set_excluded(k, False)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for k, w in zip(_KEYS, was):
+                _set_excluded(k, w)
     return run
 
 
@@ -292,6 +372,9 @@ def _wrap(call: OpCall, out: Any, plan: Plan) -> Any:
     for i, x in enumerate(leaves):
         if not isinstance(x, torch.Tensor):
             continue
+        if x.layout != torch.strided:
+            raise NotImplementedError(f"{call.func}: a DTensor holds strided tensors only, got "
+                                      f"a {x.layout} result for {call.describe()}")
         pls = outputs if isinstance(outputs, tuple) else outputs[i]
         if metas is not None:
             shape, stride = tuple(metas[i].shape), tuple(metas[i].stride())

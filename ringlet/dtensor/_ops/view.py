@@ -197,7 +197,7 @@ def expand_rule(call: OpCall) -> Plan:
 
 @register(aten.select.int)
 def select_rule(call: OpCall) -> Plan:
-    dim = call.args[1] % call.dts[0].dim()
+    dim = call.args[1] % max(call.dts[0].dim(), 1)      # 0-d: dim 0 or -1
     req, out = _moved(call, lambda d: d - 1 if d > dim else d, {dim})
     return Plan([req], out)
 
@@ -206,7 +206,7 @@ def select_rule(call: OpCall) -> Plan:
 def slice_rule(call: OpCall) -> Plan:
     x = call.dts[0]
     bound = call.bound()
-    dim = bound.get("dim", 0) % x.dim()
+    dim = bound.get("dim", 0) % max(x.dim(), 1)
     start, end, step = bound.get("start"), bound.get("end"), bound.get("step", 1)
     whole = (start in (None, 0)) and (end is None or end >= x.shape[dim]) and step == 1
     req, out = _moved(call, lambda d: d, None if whole else {dim})
@@ -216,7 +216,7 @@ def slice_rule(call: OpCall) -> Plan:
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
 def split_rule(call: OpCall) -> Plan:
     x = call.dts[0]
-    dim = call.bound().get("dim", 0) % x.dim()
+    dim = call.bound().get("dim", 0) % max(x.dim(), 1)
     shift = call.func == aten.unbind.int
     req, out = _moved(call, lambda d: d - 1 if shift and d > dim else d, {dim})
     return Plan([req], out)
@@ -261,7 +261,7 @@ def stack_rule(call: OpCall) -> Plan:
 
 @register(aten.index_select.default)
 def index_select_rule(call: OpCall) -> Plan:
-    dim = call.args[1] % call.dts[0].dim()
+    dim = call.args[1] % max(call.dts[0].dim(), 1)      # 0-d: dim 0 or -1
     req, out = _moved(call, lambda d: d, {dim})
     rep = (R,) * call.mesh.ndim
     return Plan([req] + [rep] * (len(call.dts) - 1), out)
