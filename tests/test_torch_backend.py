@@ -98,6 +98,8 @@ def test_options_torch_cannot_carry_are_refused_by_name(tmp_path, monkeypatch) -
 
 
 def test_one_rank_group_runs_inline_and_repr_names_ringlet(tmp_path) -> None:
+    from datetime import timedelta
+
     import torch
     import torch.distributed as tdist
 
@@ -110,5 +112,6 @@ def test_one_rank_group_runs_inline_and_repr_names_ringlet(tmp_path) -> None:
         w = tdist.all_reduce(t, op=tdist.ReduceOp.AVG, async_op=True)
         assert w.is_completed() and w.wait() and w.get_future().value() == [t]
         assert pg.ringlet_group.counts()["all_reduce"] == 1
+        pg.monitored_barrier(timedelta(seconds=5), wait_all_ranks=True)   # docs/torch_backend.md
     finally:
         tdist.destroy_process_group()

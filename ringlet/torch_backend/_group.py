@@ -14,8 +14,9 @@ overlaps compute as torch's backends do (DDP's buckets, FSDP2's prefetches).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as tdist
@@ -27,6 +28,7 @@ from ringlet.torch_backend._work import DoneWork, GroupedWork, QueuedWork
 __all__ = ["BACKEND_NAME", "RingletProcessGroup"]
 
 BACKEND_NAME = "ringlet"
+_T = TypeVar("_T")
 
 
 def _red(opts: Any) -> ReduceOp:
@@ -45,7 +47,7 @@ def _async(opts: Any) -> bool:
     return opts is None or bool(getattr(opts, "asyncOp", True))
 
 
-def _one(tensors: list[torch.Tensor], method: str) -> torch.Tensor:
+def _one(tensors: Sequence[_T], method: str) -> _T:
     if len(tensors) != 1:
         raise ValueError(f"ringlet backend: {method}: expected one tensor per process (as "
                          f"torch's CPU backends take), got {len(tensors)}")
@@ -92,6 +94,7 @@ class RingletProcessGroup(tdist.ProcessGroup):
     def _run(self, call: Any, outputs: list[torch.Tensor], opts: Any) -> tdist._Work:
         """Run ``call(async_op)`` of ringlet's API; wrap its result as torch's Work."""
         g = self.ringlet_group
+        w: tdist._Work
         if _async(opts) and g.size() > 1:
             w = QueuedWork(call(True), outputs)
         else:
