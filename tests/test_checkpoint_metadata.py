@@ -18,6 +18,7 @@ from ringlet.checkpoint import cli
 from ringlet.checkpoint._flatten import MAX_DEPTH, flatten
 from ringlet.checkpoint._geometry import Box, find_overlap, tiles_exactly
 from ringlet.checkpoint._metadata import Metadata
+from ringlet.checkpoint._planner import plan_save
 from ringlet.checkpoint.format_utils import _save_local
 
 pytestmark = pytest.mark.timeout(60)
@@ -163,3 +164,15 @@ def test_state_dicts_nested_deeper_than_a_checkpoint_holds_are_refused_on_save()
                                          rf"{MAX_DEPTH} levels deep"):
         flatten(deep)
     assert len(next(iter(flatten(deep["n"]).values())).path) == MAX_DEPTH
+
+
+def test_save_plan_of_a_tensor_over_20k_ranks_is_checked_in_one_pass() -> None:
+    """The save side's tiling check (every rank's piece) is the same one pass."""
+    n = 20_000
+    rows = [{"tensors": [["w", ["w"], "float32", [n, 2], [i, 0], [1, 2]]], "values": []}
+            for i in range(n)]
+    assert sum(len(w) for w in plan_save(rows).writes.values()) == n
+    rows[-1]["tensors"][0][4:] = [[n - 2, 0], [2, 2]]   # the last piece starts a row early
+    with pytest.raises(ValueError, match=r"state_dict\['w'\]: ranks hold overlapping pieces "
+                                         rf"\[{n - 2}:{n - 1}, 0:2\] and \[{n - 2}:{n}, 0:2\]"):
+        plan_save(rows)
