@@ -71,7 +71,7 @@ class _Holder:
 
 
 class _Slotted:
-    __slots__ = ("value",)
+    __slots__ = "value"  # noqa: PLC0205 - one slot spelled as a string, as a peer may
 
     def __init__(self, value: object) -> None:
         self.value = value

@@ -135,7 +135,8 @@ def _children(o: Any) -> list[Any]:
         return list(o)
     out = list(getattr(o, "__dict__", {}).values())
     for cls in type(o).__mro__:
-        for slot in getattr(cls, "__slots__", ()):
+        slots = getattr(cls, "__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
             if isinstance(slot, str) and hasattr(o, slot):
                 out.append(getattr(o, slot))
     return out
