@@ -15,7 +15,10 @@ on (so slow imports and start-up never count), and one whose counter then stays 
 seconds is hung: the launcher asks it to print its Python
 stacks (``SIGUSR1``, registered with ``faulthandler`` by the worker bootstrap), then kills it,
 and the attempt fails (a restart follows while ``--max-restarts`` allows).  Processes the worker
-forks share its mapping, so their beats count for it.
+forks share its mapping, so their beats count for it.  When the user's code has returned or
+raised, the worker bootstrap writes ``DONE`` (-1) into the counter: an interpreter that takes
+longer than ``S`` to exit (tearing down torch can take a second or more on a busy machine) is not
+hung, and a worker that raised is reported with its traceback, not as hung.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from __future__ import annotations
 import mmap
 import os
 
-__all__ = ["ENV", "beat", "read_counter"]
+__all__ = ["DONE", "ENV", "beat", "read_counter"]
 
 ENV = "RINGLET_HEARTBEAT_FILE"
 SIZE = 8
+DONE = -1   # written by the worker bootstrap once the user's code is over: no longer watched
 
 _view: memoryview | None = None
 _opened = False

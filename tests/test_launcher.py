@@ -20,7 +20,7 @@ import pytest
 
 from ringlet.launcher import LaunchConfig, parse_args, worker_command, worker_env
 from ringlet.launcher._job import failure_summary
-from ringlet.launcher._plan import error_file, parse_nproc
+from ringlet.launcher._plan import WORKER_FILE, error_file, parse_nproc
 from ringlet.launcher._supervisor import WorkerFailure, describe_exit, read_error_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def test_worker_env_omp_bounds_and_command() -> None:
     assert "OMP_NUM_THREADS" not in env(LaunchConfig(entrypoint="t.py"), 0, {})
     with pytest.raises(ValueError, match="expected 0 <= local_rank < 2, got 2"):
         env(two, 2, {})
-    boot = ["py", "-m", "ringlet.launcher._worker"]
+    boot = ["py", WORKER_FILE]
     assert worker_command(parse_args(["t.py", "a"]), "py") == [*boot, "t.py", "a"]
     assert worker_command(parse_args(["-m", "p.q", "a"]), "py") == [*boot, "-m", "p.q", "a"]
     assert worker_command(parse_args(["--no-python", "sh", "-c", "x"]), "py") == [

@@ -24,6 +24,7 @@ from ringlet.launcher._logs import (
     stream_plan,
     wants_files,
 )
+from ringlet.launcher._plan import WORKER_FILE
 from ringlet.launcher._watch import Heartbeats
 
 pytestmark = pytest.mark.timeout(60)
@@ -55,7 +56,7 @@ def test_new_flags_and_legacy_launch_parsing() -> None:
         "/l", "3", "0:2", "0", 30.0)
     assert cfg.local_rank_arg is None
     old = parse_args(["--nproc-per-node", "2", "t.py", "--lr", "1"], legacy_launch=True)
-    boot = ["py", "-m", "ringlet.launcher._worker"]
+    boot = ["py", WORKER_FILE]
     assert worker_command(old, "py", local_rank=1) == [*boot, "t.py", "--local-rank=1", "--lr", "1"]
     under = parse_args(["--local-rank-spelling", "underscore", "t.py"], legacy_launch=True)
     assert worker_command(under, "py", local_rank=0)[-1] == "--local_rank=0"
@@ -108,7 +109,11 @@ def test_log_dir_redirects_filter_and_summary(tmp_path: Path) -> None:
         gen = os.environ["TORCHELASTIC_RESTART_COUNT"]
         print(f"out {RANK} gen {gen}")
         print(f"err {RANK} gen {gen}", file=sys.stderr)
-        if RANK == 1:
+        (OUT / f"printed{RANK}.gen{gen}").touch()
+        if RANK == 1:   # only once rank 0 has printed: it is stopped when rank 1 fails
+            deadline = time.monotonic() + 30
+            while not (OUT / f"printed0.gen{gen}").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
             raise ValueError(f"boom in gen {gen}")
     """)
     logs = tmp_path / "logs"

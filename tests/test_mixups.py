@@ -80,6 +80,7 @@ def test_summary_of_a_torch_script_under_ringlet_run_says_so() -> None:
                           error={"traceback": tb})
     text = failure_summary(first, [], 1, "rid")
     assert "hint: the script uses torch.distributed" in text and "torchrun" in text
+    assert "ringlet-run --torch-backend" in text
     plain = WorkerFailure(rank=0, local_rank=0, pid=7, returncode=1, timestamp=1.0,
                           error={"traceback": "OSError: EADDRINUSE\n"})
     assert "hint" not in failure_summary(plain, [], 1, "rid")

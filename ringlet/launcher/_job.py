@@ -72,9 +72,9 @@ def failure_summary(first: WorkerFailure, others: Sequence[WorkerFailure], attem
 
 TORCH_UNDER_RINGLET_RUN = (
     "the script uses torch.distributed: its rank 0 tried to serve torch's own TCPStore on "
-    "MASTER_PORT, where this launcher's (ringlet's) store already listens. Launch programs "
-    "written for torch.distributed with torchrun, or port them to ringlet.distributed "
-    "(docs/migration.md)")
+    "MASTER_PORT, where this launcher's (ringlet's) store already listens. Run it with "
+    "`ringlet-run --torch-backend` (torch's init_process_group() then joins this store, on "
+    "backend 'ringlet'), or with torchrun, or port it to ringlet.distributed (docs/migration.md)")
 _FAULTS = ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT")
 
 

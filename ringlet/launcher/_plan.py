@@ -30,7 +30,9 @@ __all__ = [
 
 PROG = "ringlet-run"
 LEGACY_PROG = "python -m ringlet.distributed.launch"
-WORKER_MODULE = "ringlet.launcher._worker"
+# Workers run the bootstrap by path: importing it as a module would import the ringlet package,
+# hence torch, before the user's code (see _worker's docstring).
+WORKER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -402,9 +404,10 @@ def worker_env(
 
 def worker_command(config: LaunchConfig, python: str | None = None,
                    local_rank: int | None = None) -> list[str]:
-    """argv of a worker: the bootstrap module, then the user's entrypoint and arguments (plus
-    ``--local-rank=N`` for ``python -m ringlet.distributed.launch`` without ``--use-env``)."""
-    head = [python or sys.executable, "-m", WORKER_MODULE]
+    """argv of a worker: the bootstrap (``WORKER_FILE``), then the user's entrypoint and arguments
+    (plus ``--local-rank=N`` for ``python -m ringlet.distributed.launch`` without
+    ``--use-env``)."""
+    head = [python or sys.executable, WORKER_FILE]
     if config.module:
         head.append("-m")
     elif config.no_python:

@@ -64,7 +64,7 @@ class Heartbeats:
             current = read_counter(view)
             if current != count:
                 self._last[i] = (current, now)
-            elif current and now - since >= self.timeout:   # watched from its first beat on
+            elif current > 0 and now - since >= self.timeout:   # from its first beat to DONE
                 out[i] = now - since
         return out
 

@@ -1,6 +1,6 @@
-"""In-worker bootstrap: ``python -m ringlet.launcher._worker [-m | --no-python] TARGET ARGS...``.
+"""In-worker bootstrap: ``python .../launcher/_worker.py [-m | --no-python] TARGET ARGS...``.
 
-The launcher starts every worker through this module, which, before the user's code runs:
+The launcher starts every worker through this file, which, before the user's code runs:
 
 1. asks the kernel to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``),
    then checks the parent is still the launcher (``RINGLET_LAUNCHER_PID``), which closes
@@ -14,7 +14,10 @@ The launcher starts every worker through this module, which, before the user's c
    a module with ``runpy.run_module(..., alter_sys=True)``, or, with ``--no-python``,
    ``execvp`` of a command (the death signal survives ``exec``).
 
-Only the standard library is imported here: a worker starts in well under a second.
+Only the standard library is imported here, and the file is run by its path, not as
+``-m ringlet.launcher._worker``: that would import the ``ringlet`` package, and with it torch,
+before the user's first line (seconds per worker, even for a script that never imports torch).
+``python -m ringlet.launcher._worker`` works too.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import os
 import runpy
 import signal
+import struct
 import sys
 import time
 import traceback
@@ -119,21 +123,49 @@ def install_excepthook() -> None:
     sys.excepthook = hook
 
 
+def _first_on_path(folder: str) -> None:
+    """What python puts first on ``sys.path`` for the user's target, in place of this file's
+    folder (or the working directory under ``-m``); nothing in safe-path mode (``-P``)."""
+    if not sys.flags.safe_path:
+        sys.path[0] = folder
+
+
 def _run_script(path: str, args: list[str]) -> None:
     sys.argv = [path, *args]
     # As ``python script.py`` does: the script's directory comes first on sys.path.
-    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    _first_on_path(os.path.dirname(os.path.abspath(path)))
     runpy.run_path(path, run_name="__main__")
 
 
 def _run_module(name: str, args: list[str]) -> None:
     sys.argv = [name, *args]  # run_module replaces argv[0] with the module's file
+    _first_on_path(os.getcwd())   # as ``python -m`` does
     runpy.run_module(name, run_name="__main__", alter_sys=True)
+
+
+def _heartbeat_done() -> None:
+    """The user's code is over: tell a launcher watching heartbeats to stop watching (writes
+    ``ringlet._heartbeat.DONE``, -1, into the counter; not imported: it is in the ringlet
+    package)."""
+    path = os.environ.get("RINGLET_HEARTBEAT_FILE")
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        os.pwrite(fd, struct.pack("=q", -1), 0)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def main(argv: list[str]) -> None:
     if not argv or (argv[0] in ("-m", "--no-python") and len(argv) < 2):
-        raise SystemExit("usage: python -m ringlet.launcher._worker [-m | --no-python] TARGET ...")
+        raise SystemExit("usage: python .../ringlet/launcher/_worker.py [-m | --no-python] "
+                         "TARGET ...")
     set_parent_death_signal()
     _exit_if_orphaned()
     install_excepthook()
@@ -147,10 +179,13 @@ def main(argv: list[str]) -> None:
         import ringlet  # noqa: F401
     # ringlet-run --heartbeat-timeout asks a hung worker for its stacks before killing it.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if argv[0] == "-m":
-        _run_module(argv[1], argv[2:])
-    else:
-        _run_script(argv[0], argv[1:])
+    try:
+        if argv[0] == "-m":
+            _run_module(argv[1], argv[2:])
+        else:
+            _run_script(argv[0], argv[1:])
+    finally:   # returned or raised: exiting is not hanging
+        _heartbeat_done()
 
 
 if __name__ == "__main__":

@@ -244,7 +244,8 @@ class StoreServer:
                 "ringlet store %s: a torch.distributed client connected (torch's TCPStore "
                 "protocol; this store is ringlet's): a program written for torch.distributed was "
                 "started by ringlet-run, or given a ringlet store's address. Launch it with "
-                "torchrun, or port it to ringlet.distributed (docs/migration.md)", self.where)
+                "`ringlet-run --torch-backend`, or with torchrun, or port it to "
+                "ringlet.distributed (docs/migration.md)", self.where)
         raise P.ProtocolError("a torch.distributed TCPStore client")
 
     def _authenticate(self, conn: _Conn) -> None:
