@@ -86,8 +86,9 @@ def check_freed_storage(rank: int, n: int) -> dict[str, Any]:
     out = {"freed": outcome(lambda: dist.all_reduce(t))}
     # Queue an all_reduce behind a barrier that waits for rank 1, then free its tensor meanwhile:
     # the op must refuse when it finally runs instead of writing into freed memory.  (Rank 1 then
-    # waits for rank 0 in vain: a group of its own, with a short deadline, takes the timeout.)
-    g = dist.new_group(timeout=timedelta(seconds=2))
+    # waits for rank 0 in vain, on a group of its own, until rank 0 destroys that group: a
+    # departure, named at once; the long deadline is never what ends it.)
+    g = dist.new_group(timeout=timedelta(seconds=60))
     if rank == 1:
         time.sleep(0.5)
     dist.barrier(group=g, async_op=True)
@@ -106,11 +107,19 @@ def check_barrier(rank: int, n: int) -> dict[str, Any]:
            "timeout_type": outcome(lambda: dist.barrier(timeout="1s"))}
     dist.barrier(device_ids=[0], timeout=timedelta(seconds=5))
     g = dist.new_group()                 # the late barrier poisons its group, not the world
-    if rank == 1:
-        time.sleep(1.5)
-    t0 = time.monotonic()
-    out["late"] = outcome(lambda: dist.barrier(group=g, timeout=timedelta(seconds=0.5)))
-    out["elapsed"] = time.monotonic() - t0
+
+    def late() -> None:
+        t0 = time.monotonic()
+        out["late"] = outcome(lambda: dist.barrier(group=g, timeout=timedelta(seconds=0.5)))
+        out["elapsed"] = time.monotonic() - t0
+    # Rank 1 enters only once rank 0 has given up (the world's barrier orders it, not a sleep):
+    # late for certain, so it learns of rank 0's timeout from the abort record.
+    if rank == 0:
+        late()
+        dist.barrier()
+    else:
+        dist.barrier()
+        late()
     dist.destroy_process_group(g)
     out["usable"] = usable(n)
     return out

@@ -205,8 +205,8 @@ def test_freed_storage_is_refused_even_when_freed_while_queued(suite: list[dict[
     rank0, rank1 = (got["freed"] for got in suite)
     assert "data pointer is 0" in rank0["freed"] and "data pointer is 0" in rank1["freed"]
     assert "expected its storage to stay allocated" in rank0["queued"], rank0["queued"]
-    assert rank1["queued"].split(":")[0] in ("CollectiveTimeoutError", "PeerFailureError",
-                                             "GroupAbortedError")
+    assert rank1["queued"].startswith("PeerFailureError") and "left the group" in rank1["queued"], \
+        rank1["queued"]
     assert rank0["usable"] and rank1["usable"]
 
 
@@ -214,8 +214,8 @@ def test_barrier_timeout_and_device_ids(suite: list[dict[str, Any]]) -> None:
     b0, b1 = (got["barrier"] for got in suite)
     assert "device_ids" in b0["device_ids"] and "timedelta" in b0["timeout_type"]
     assert b0["late"].startswith("CollectiveTimeoutError") and 0.45 <= b0["elapsed"] < 3.0, b0
-    assert b1["late"].split(":")[0] in ("GroupAbortedError", "CollectiveTimeoutError",
-                                        "PeerFailureError")
+    # the same class as rank 0's, learnt from its abort ([Note: abort carries the cause])
+    assert b1["late"].startswith("CollectiveTimeoutError") and "aborted by rank 0" in b1["late"], b1
     assert b0["usable"] and b1["usable"]
 
 
