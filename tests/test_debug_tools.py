@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -43,14 +44,19 @@ def test_stats_count_collectives_and_blame_the_late_rank() -> None:
 
 
 def test_monitored_barrier_names_missing_rank() -> None:
+    gave_up = threading.Event()
+
     def body(rank: int, n: int) -> str:
-        if rank == 2:
-            time.sleep(1.0)
+        if rank == 2:       # absent (not gone) until rank 0 has given up: no sleep decides it
+            gave_up.wait(30.0)
             return ""
         try:
             dist.monitored_barrier(timeout=timedelta(seconds=0.3))
         except dist.CollectiveTimeoutError as e:
             return str(e)
+        finally:
+            if rank == 0:
+                gave_up.set()
         return "passed"
     msgs = run_threads(body, 3, op_timeout=5.0)
     assert "monitored_barrier" in msgs[0] and "ranks [2]" in msgs[0], msgs[0]
