@@ -146,3 +146,17 @@ def _train(model: nn.Module, ref: nn.Module, steps: int,
         opt.zero_grad()
         ropt.zero_grad()
     return out
+
+
+def rotary_without_grad(rank: int, n: int) -> list[float]:
+    """The TP rotary attention under ``inference_mode`` and ``no_grad`` (twice each: uncached,
+    then cached decisions) against one process: largest output differences."""
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+    ref = reference()
+    model = parallelize_module(copy.deepcopy(ref), mesh, plan(False))
+    x = inputs()
+    diffs = []
+    for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode):
+        with mode():
+            diffs.append(float((_full(model(x)) - ref(x)).abs().max()))
+    return diffs

@@ -120,3 +120,8 @@ def test_rotary_attention_under_fully_shard_and_tp_matches_one_process(dp: int) 
         assert max(r["out"]) < 1e-5, r
         for grads in r["grads"]:
             assert len(grads) == 6 and max(grads.values()) < 1e-5, grads
+
+
+def test_rotary_attention_under_inference_mode_matches_one_process() -> None:
+    for diffs in run_threads(W.rotary_without_grad, 2):
+        assert max(diffs) < 1e-5, diffs
