@@ -173,7 +173,9 @@ def _view_in_place(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             f"DTensor cannot follow; use the out-of-place op ({name.rstrip('_')}) instead")
     view = getattr(torch.Tensor, name[:-1])(self, *args[1:], **kwargs)
     local = self._local_tensor
-    if view._local_tensor.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
+    moved = not local.is_meta and (view._local_tensor.untyped_storage().data_ptr()
+                                   != local.untyped_storage().data_ptr())
+    if moved:
         raise NotImplementedError(f"{func}: {self!r} would have to be redistributed to "
                                   f"{''.join(map(repr, view.placements))}, which an in-place op "
                                   f"cannot do; use the out-of-place op ({name[:-1]})")
