@@ -7,7 +7,9 @@ tensor that got through and crashed it shows up as a dead rank, never as a crash
 
 from __future__ import annotations
 
+import collections
 import io
+import re
 import zipfile
 
 import _security_objects_workers as W
@@ -124,6 +126,44 @@ def test_memory_the_payload_did_not_carry_is_capped(monkeypatch: pytest.MonkeyPa
         with pytest.raises(Exception, match=r"refuses the object from rank 1: its tensors hold "
                                             r"\d+ bytes, above the 8192-byte cap"):
             objects._decode(payload, 1, "broadcast_object_list")
+
+
+def _plain_data_of_every_allowed_kind() -> dict[str, object]:
+    return {"list": [1, 2.5, "x", None, True, -5, 2**100], "set": {1, 2},
+            "counter": collections.Counter("aab"), "od": collections.OrderedDict(a=1),
+            "bytearray": bytearray(b"\x00\xff"), "empty": bytearray(), "bytes": b"xy",
+            "complex": 1 + 2j, "size": torch.Size([2, 3]), "tuple": (1, (2, 3)),
+            "tensor": torch.ones(3), "param": torch.nn.Parameter(torch.ones(2)),
+            "coo": torch.eye(3).to_sparse(), "csr": torch.eye(3).to_sparse_csr(),
+            "nested": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+            "dtype": torch.float16, "device": torch.device("cpu")}
+
+
+@pytest.mark.parametrize(("what", "call", "args"), [
+    ("a count", bytearray, (10**6,)), ("a count", bytes, (10**6,)),
+    ("a tensor or storage", set, (torch.ones(10),)),
+    ("a tensor or storage", collections.Counter, (torch.ones(5),)),
+    ("a tensor or storage", torch.Size, (torch.ones(3, dtype=torch.int64),)),
+    ("a tensor or storage", set, (torch.ones(3).untyped_storage(),))])
+def test_calls_that_amplify_the_payload_are_refused_before_running(
+        monkeypatch: pytest.MonkeyPatch, what: str, call: object, args: tuple) -> None:
+    """``bytearray(10**10)`` is a 50-byte payload that zero-fills 10 GB; ``set(t)`` makes one
+    Python object per element of a tensor or storage: found in the pickle, before it runs."""
+    monkeypatch.setenv("RINGLET_SAFE_OBJECTS", "1")
+    name = f"{getattr(call, '__module__', '')}.{getattr(call, '__name__', '')}"
+    ran: list[object] = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: ran.append(a))
+    payload = objects._encode({"x": [W._Rebuild(call, *args)]})
+    assert payload is not None
+    with pytest.raises(Exception, match=rf"refuses the object from rank 0: {re.escape(name)} is "
+                                        rf"called (with|on) {what}"):
+        objects._decode(payload, 0, "all_gather_object")
+    assert not ran                                   # refused before torch.load ran
+    monkeypatch.undo()
+    monkeypatch.setenv("RINGLET_SAFE_OBJECTS", "1")
+    plain = _plain_data_of_every_allowed_kind()
+    got = objects._decode(objects._encode(plain), 0, "x")
+    assert set(got) == set(plain) and got["counter"] == plain["counter"]
 
 
 # -- compression and declared sizes --------------------------------------------------------------

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from ringlet.c10d._pickle_scan import amplifier
+
 __all__ = ["check_archive", "check_tensors", "decode", "refused"]
 
 _ZIP = b"PK\x03\x04"
@@ -245,6 +247,8 @@ def decode(body: bytes, rank: int, op: str, cap: int) -> Any:
     if body[:4] != _ZIP:
         raise refused(rank, op, with_names("expected a torch.save archive, got other bytes", body))
     why = check_archive(body, cap)
+    if why is None:
+        why = amplifier(_stored_record(body, "data.pkl"))
     if why is not None:
         raise refused(rank, op, why)
     try:
