@@ -74,7 +74,6 @@ class _Watch:
         self.w = w
         self.gid = gid
         self.what = what
-        self._pids: dict[int, int] | None = None
 
     def problem(self, suspects: list[int]) -> PeerFailureError | None:
         """Why one of ``suspects`` (global ranks) will never come, if known."""
@@ -108,10 +107,12 @@ class _Watch:
                                 peer=peer, group=self.what)
 
     def _pid_of(self, r: int) -> int | None:
-        """Rank ``r``'s pid when it runs on this host as another process (None otherwise)."""
-        if self._pids is None:
-            self._pids = {}
-            w = self.w
+        """Rank ``r``'s pid when it runs on this host as another process (None otherwise); read
+        once per world from the rendezvous, and only when a wait is slow."""
+        w = self.w
+        pids: dict[int, int] | None = w.__dict__.get("peer_pids")
+        if pids is None:
+            pids = w.__dict__["peer_pids"] = {}
             for peer in range(w.world_size):
                 if w.hosts[peer] != w.hosts[w.rank]:
                     continue
@@ -120,8 +121,8 @@ class _Watch:
                 except Exception:  # noqa: BLE001, S112 - no pid known: watch the log only
                     continue
                 if pid != os.getpid():           # ranks that are threads of this process
-                    self._pids[peer] = pid
-        return self._pids.get(r)
+                    pids[peer] = pid
+        return pids.get(r)
 
 
 def watched_wait(store: Any, keys: list[str], timeout: float, watch: _Watch,
