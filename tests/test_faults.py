@@ -221,3 +221,24 @@ def test_an_abort_by_the_user_stays_a_plain_group_aborted_error() -> None:
     assert errors.abort_error_class("GroupAbortedError: stopped") is errors.GroupAbortedError
     assert errors.abort_error_class("no class at all") is errors.GroupAbortedError
     assert errors.abort_error_class("ValueError: x") is errors.GroupAbortedError
+
+
+def test_the_tcp_abort_frame_carries_the_cause_too() -> None:
+    """The same rule on tcp, where the abort arrives as an ABORT frame with the reason."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ringlet import errors
+    from ringlet.transport.base import OpContext
+    from ringlet.transport.tcp.faults import peer_trouble
+
+    ctx = OpContext("all_reduce", 2, 1, 2, "g", 5.0, torch.float32, 4)
+    peer = SimpleNamespace(rank=0, gone=None, where=lambda: "pid 1 on host")
+    inbox = SimpleNamespace(aborted_by={0: "CollectiveMismatchError: broadcast #2 on rank 1"},
+                            desync=set())
+    err = peer_trouble(ctx, inbox, peer)
+    assert type(err).__name__ == "CollectiveMismatchError", type(err)
+    assert isinstance(err, errors.CollectiveMismatchError)
+    assert isinstance(err, errors.GroupAbortedError)
+    assert "aborted by rank 0 (pid 1 on host)" in str(err) and err.aborted_by == 0
