@@ -112,3 +112,20 @@ def test_a_member_whose_set_up_fails_is_named_by_the_other_members() -> None:
     assert got[0] == "RuntimeError: no such device here", got
     assert got[1].startswith("PeerFailureError: "), got
     assert "rank 0 failed to set up the group: RuntimeError: no such device here" in got[1], got
+
+
+def test_a_mesh_is_one_creation_and_a_whole_world_mesh_none() -> None:
+    """The agreement is cheap: one exchange for all of a mesh's groups, none for a 1-d mesh of
+    the whole world (it reuses the default group)."""
+    from ringlet.c10d.world import current_world
+
+    def body(rank: int, n: int) -> list[int]:
+        w = current_world()
+        world = tuple(range(n))
+        counts = [w.creations.get(world, 0)]
+        cw.DeviceMesh("cpu", [[0, 1], [2, 3]])            # 4 groups
+        counts.append(w.creations.get(world, 0))
+        cw.DeviceMesh("cpu", list(range(n)))              # the default group
+        counts.append(w.creations.get(world, 0))
+        return counts
+    assert run_threads(body, 4, op_timeout=30.0) == [[0, 1, 1]] * 4
