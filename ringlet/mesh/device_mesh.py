@@ -4,11 +4,12 @@
 ringlet's ``new_group`` is collective over the whole world: every rank calls it for
 every group, in the same order.  So a mesh creates all of its groups at construction
 -- for each axis, in axis order, one group per line of ranks along that axis, lines in
-row-major order of the other axes -- on every rank, member or not, and keeps the ones
-this rank belongs to.  Slicing (``mesh["tp"]``) is then local: a sub-mesh reuses its
-root's groups.  ``_flatten`` creates groups for the merged axes, so (as in torch)
-every rank must call it with the same arguments.  A line that is the whole world in
-rank order reuses the default group.
+row-major order of the other axes -- on every rank, member or not, as one group creation
+(the ranks agree on all of its groups at once: [Note: group creation] in
+ringlet/c10d/_creation.py), and keeps the ones this rank belongs to.  Slicing
+(``mesh["tp"]``) is then local: a sub-mesh reuses its root's groups.  ``_flatten``
+creates groups for the merged axes, so (as in torch) every rank must call it with the
+same arguments.  A line that is the whole world in rank order reuses the default group.
 
 A group's ranks are sorted while a mesh line may not be (``[[1, 0]]``); collectives
 that care about order map mesh coordinates to group ranks with
