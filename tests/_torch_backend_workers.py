@@ -105,6 +105,12 @@ def _p2p_and_async(rank: int, world: int, base: torch.Tensor) -> dict[str, Any]:
         tdist.send(base, peer)
     r["send_recv"] = got
     got = torch.empty(4)
+    if rank == 0:
+        tdist.send(base, 1)
+    else:
+        r["recv_any_source/sender"] = tdist.recv(got)      # recv_anysource: who sent it
+        r["recv_any_source"] = got
+    got = torch.empty(4)
     ops = [tdist.P2POp(tdist.isend, base, peer), tdist.P2POp(tdist.irecv, got, peer)]
     for w in tdist.batch_isend_irecv(ops):
         w.wait()

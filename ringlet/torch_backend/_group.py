@@ -271,8 +271,11 @@ class RingletProcessGroup(tdist.ProcessGroup):
         return self._p2p(rc.irecv(t, group=self.ringlet_group, tag=tag, group_src=srcRank), [t])
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> tdist._Work:
-        t = _one(tensors, "recv_anysource")
-        return self._p2p(rc.irecv(t, group=self.ringlet_group, tag=tag), [t])
+        t, g = _one(tensors, "recv_anysource"), self.ringlet_group
+        w = QueuedWork(rc.irecv(t, group=g, tag=tag), [t], g.ranks)
+        if self._coalescing is not None:
+            self._coalescing.append(w)
+        return w
 
     def _p2p(self, rwork: Any, outputs: list[torch.Tensor]) -> tdist._Work:
         w = QueuedWork(rwork, outputs)

@@ -56,11 +56,13 @@ class QueuedWork(tdist._Work):
     :class:`~ringlet.c10d.work.Work`).  ``wait`` raises ringlet's error; the future's value is
     the output tensors, as torch's backends give (DDP's comm hooks read ``fut.value()[0]``)."""
 
-    def __init__(self, rwork: Any, outputs: list[torch.Tensor]) -> None:
+    def __init__(self, rwork: Any, outputs: list[torch.Tensor],
+                 ranks: list[int] | None = None) -> None:
         super().__init__()
         self._rwork = rwork
         self._outputs = outputs
         self._future: torch.futures.Future | None = None
+        self._ranks = ranks          # the group's global ranks (a receive from any source)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if timeout is not None and timeout.total_seconds() > 0:
@@ -83,6 +85,14 @@ class QueuedWork(tdist._Work):
 
     def synchronize(self) -> None:
         self._rwork.synchronize()
+
+    def source_rank(self) -> int:
+        """The group rank a receive from any source got its message from (``recv_anysource``);
+        ringlet's Work answers with the global rank."""
+        src = int(self._rwork.source_rank())
+        return self._ranks.index(src) if self._ranks is not None else src
+
+    _source_rank = source_rank
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
