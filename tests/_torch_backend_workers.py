@@ -269,3 +269,31 @@ def ddp_peer_dies(rank: int, world: int, path: str) -> tuple[str, str]:
     except Exception as e:
         return type(e).__name__, str(e)
     return "none", ""
+
+
+def _two_d(rank: int, world: int) -> dict[str, Any]:
+    """torch's 2-d layouts on a (2, 2) mesh: HSDP (replicate x shard) and fully_shard over dp with
+    tensor parallelism over tp (torch's FSDP + TP recipe)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    r: dict[str, Any] = {}
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    m = _mlp()
+    fully_shard(m, mesh=hsdp)
+    r["hsdp"] = _train(m, rank)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    m = parallelize_module(_mlp(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(m, mesh=mesh["dp"])
+    r["fsdp+tp"] = _train(m, rank)
+    r["full"] = [p.full_tensor() for p in m.parameters()]
+    return r
+
+
+def two_d(rank: int, world: int, path: str) -> dict[str, Any]:
+    return _on_both(rank, world, path, _two_d)

@@ -115,3 +115,9 @@ def test_one_rank_group_runs_inline_and_repr_names_ringlet(tmp_path) -> None:
         pg.monitored_barrier(timedelta(seconds=5), wait_all_ranks=True)   # docs/torch_backend.md
     finally:
         tdist.destroy_process_group()
+
+
+def test_torch_2d_layouts_equal_gloo_on_four_ranks(tmp_path) -> None:
+    per_rank = raise_first(run_world(4, W.two_d, str(tmp_path / "init"), timeout=110))
+    for rank, got in enumerate(per_rank):
+        _same(got["gloo"], got["ringlet"], f"rank {rank}")
