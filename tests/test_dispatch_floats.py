@@ -10,6 +10,7 @@ import torch
 
 from ringlet.distributed.device_mesh import init_device_mesh
 from ringlet.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from ringlet.dtensor._spec import decisions_of
 from ringlet.testing import run_threads
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,12 +26,12 @@ def _float_keys(rank: int, n: int) -> dict:
         size, corr = 0.1 / step, (1 - 0.9 ** step) ** 0.5
         got.addcdiv_(got, db / corr, value=-size)
         want.addcdiv_(want, b / corr, value=-size)
-    before = len(mesh._op_cache)
+    before = len(decisions_of(mesh))
     for step in range(4, 8):          # new float values every step: no new decision
         size, corr = 0.1 / step, (1 - 0.9 ** step) ** 0.5
         got.addcdiv_(got, db / corr, value=-size)
         want.addcdiv_(want, b / corr, value=-size)
-    grew = len(mesh._op_cache) - before
+    grew = len(decisions_of(mesh)) - before
     part = DTensor.from_local(a.clone(), mesh, [Partial()])
     mask = distribute_tensor(a > 0, mesh, [Replicate()])
     zero, one = part.masked_fill(mask, 0.0), part.masked_fill(mask, 1.0)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ringlet.dtensor._shard_math import chunk_sizes
 from ringlet.parallel.fsdp._shard_math import (
-    chunk_units,
     copy_in_grads,
     copy_out,
     plan_group,
@@ -22,16 +22,18 @@ pytestmark = pytest.mark.timeout(30)
     (3, 1, [3]), (7, 3, [3, 3, 1]),
 ])
 def test_chunk_units_follow_torch_chunk(size: int, world: int, expected: list[int]) -> None:
-    assert chunk_units(size, world) == expected
+    assert chunk_sizes(size, world) == expected
+    spec = plan_group([(size, 2)], [0], world).specs[0]
+    assert [spec.local_units(r) for r in range(world)] == expected
     pieces = [c.shape[0] for c in torch.arange(size).chunk(world)] if size else []
     assert expected[:len(pieces)] == pieces and sum(expected) == size
 
 
 def test_chunk_units_rejects_bad_input() -> None:
-    with pytest.raises(ValueError, match="world >= 1"):
-        chunk_units(4, 0)
-    with pytest.raises(ValueError, match="size >= 0"):
-        chunk_units(-1, 2)
+    with pytest.raises(ValueError, match="expected a positive number of shards, got 0"):
+        chunk_sizes(4, 0)
+    with pytest.raises(ValueError, match="expected a non-negative size, got -1"):
+        chunk_sizes(-1, 2)
 
 
 def test_plan_group_offsets_and_padding() -> None:

@@ -25,12 +25,13 @@ from ringlet.c10d import _cuda
 from ringlet.c10d.work import Work
 from ringlet.errors import DistBackendError
 from ringlet.nn.parallel import DistributedDataParallel
-from ringlet.parallel.ddp._cuda import aux_device, move_to, plan_devices
+from ringlet.parallel._device_moves import move_to
+from ringlet.parallel.ddp._cuda import aux_device, plan_devices
 from ringlet.parallel.fsdp._device import ShardHome, compute_device, default_mesh_type
 from ringlet.parallel.fsdp.policies import CPUOffloadPolicy, OffloadPolicy
 from ringlet.store import HashStore
 from ringlet.testing.procs import raise_first, run_world
-from ringlet.transport import select
+from ringlet.transport import selection
 from ringlet.transport.base import Transport
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -118,7 +119,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     def start(stream_ordered: tuple[str, ...]) -> Recorder:
         cls = _fake_transport(stream_ordered, rec)
-        select.register_transport("fakegpu", lambda store, rank, n, timeout: cls())
+        selection.register_transport("fakegpu", lambda store, rank, n, timeout: cls())
         dist.init_process_group("fakegpu", store=HashStore(), rank=0, world_size=1,
                                 timeout=timedelta(seconds=10))
         rec.log.clear()
@@ -126,7 +127,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     yield start
     if dist.is_initialized():
         dist.destroy_process_group()
-    select._registry.pop("fakegpu", None)
+    selection._registry.pop("fakegpu", None)
 
 
 # --- [Note: CUDA streams], stream-ordered transports (torch's NCCL) -------------------------------
@@ -379,7 +380,7 @@ def test_default_mesh_type_and_compute_device() -> None:
     ("gloo", "auto"), ("cpu:torch:gloo,cuda:torch:nccl", "torch:gloo,nccl"),
 ])
 def test_parse_backend_names_as_torch_spells_them(name: str, canonical: str) -> None:
-    assert select.parse_backend(name) == canonical
+    assert selection.parse_backend(name) == canonical
 
 
 @pytest.mark.parametrize("bad, text", [("cpu:nccl", "nccl serves CUDA tensors"),
@@ -387,7 +388,7 @@ def test_parse_backend_names_as_torch_spells_them(name: str, canonical: str) -> 
                                        ("gpu:nccl", "expected one of")])
 def test_parse_backend_refuses(bad: str, text: str) -> None:
     with pytest.raises(ValueError, match=text):
-        select.parse_backend(bad)
+        selection.parse_backend(bad)
 
 
 @pytest.mark.timeout(60)

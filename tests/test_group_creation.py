@@ -89,7 +89,7 @@ def test_a_rank_that_leaves_before_a_mesh_is_named_by_the_others(how: str) -> No
 
 
 def test_a_member_whose_set_up_fails_is_named_by_the_other_members() -> None:
-    from ringlet.transport import select
+    from ringlet.transport import selection
 
     def factory(store: Any, rank: int, size: int, timeout: Any) -> Any:
         if rank == 0:
@@ -104,11 +104,11 @@ def test_a_member_whose_set_up_fails_is_named_by_the_other_members() -> None:
             return f"{type(e).__name__}: {e}"
         return "no error"
 
-    select.register_transport("h5failing", factory)
+    selection.register_transport("h5failing", factory)
     try:
         got = run_threads(body, 2, op_timeout=60.0)
     finally:
-        select._registry.pop("h5failing", None)
+        selection._registry.pop("h5failing", None)
     assert got[0] == "RuntimeError: no such device here", got
     assert got[1].startswith("PeerFailureError: "), got
     assert "rank 0 failed to set up the group: RuntimeError: no such device here" in got[1], got

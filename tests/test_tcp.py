@@ -21,7 +21,7 @@ from ringlet.transport.arena import Arena, ArenaLayout, usable_cpus
 from ringlet.transport.base import split_blocks
 from ringlet.transport.hierarchical import HostPlan, plan_hosts, same_kernel
 from ringlet.transport.reduce import RedOpType, reduction
-from ringlet.transport.select import parse_backend as _parse_backend
+from ringlet.transport.selection import parse_backend as _parse_backend
 from ringlet.transport.tcp import choose_address, wire
 from ringlet.transport.tcp.algos import Algorithms, order_free
 

@@ -19,7 +19,7 @@ from ringlet import _env
 from ringlet.distributed import distributed_c10d as c10d
 from ringlet.testing import RankFailure, run_threads
 from ringlet.testing.procs import raise_first, run_world
-from ringlet.transport import select
+from ringlet.transport import selection
 from ringlet.transport.inproc import InprocTransport
 
 
@@ -67,7 +67,7 @@ def test_register_backend_plugs_a_user_transport_into_new_group() -> None:
 
 
 def test_a_registered_creator_must_return_a_transport() -> None:
-    select.register_transport("testbogus", lambda store, rank, size, timeout: object())
+    selection.register_transport("testbogus", lambda store, rank, size, timeout: object())
 
     def body(rank: int, n: int) -> None:
         dist.new_group(backend="testbogus")

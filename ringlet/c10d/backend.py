@@ -1,6 +1,6 @@
 """``Backend`` (names, ``register_backend``) and the ``is_*_available`` queries.
 
-Names mean what ``init_process_group`` does with them (``ringlet.transport.select``):
+Names mean what ``init_process_group`` does with them (``ringlet.transport.selection``):
 ``gloo`` runs on ringlet's own transports (``auto``), ``nccl`` is torch's NCCL engine for CUDA
 tensors (``cpu:gloo,cuda:nccl``), ``auto``/``shm``/``tcp``/``inproc`` are ringlet's.  A backend
 registered with :meth:`Backend.register_backend` is a ringlet transport that the user wrote.
@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ringlet.transport import select
+from ringlet.transport import selection
 
 __all__ = ["Backend", "is_backend_available", "is_gloo_available", "is_mpi_available",
            "is_nccl_available", "is_ucc_available", "is_xccl_available"]
@@ -73,7 +73,7 @@ class Backend(str):
             ValueError: ``name`` is taken or is a built-in name.
         """
         devs = [devices] if isinstance(devices, str) else list(devices or ["cpu"])
-        select.register_transport(name, func, devs, extended_api)
+        selection.register_transport(name, func, devs, extended_api)
         key = name.strip().lower()
         setattr(cls, key.upper(), key)
         cls.backend_list.append(key)
@@ -113,7 +113,7 @@ def is_backend_available(backend: str) -> bool:
     if name in checks:
         return checks[name]()
     try:
-        select.parse_backend(name)
+        selection.parse_backend(name)
     except ValueError:
         return False
     return True

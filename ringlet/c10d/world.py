@@ -24,7 +24,7 @@ from ringlet.c10d import _creation, _cuda, debug
 from ringlet.c10d._current import _set_world, current_world
 from ringlet.c10d.group import ProcessGroup
 from ringlet.c10d.rendezvous import check_ranks, rendezvous, store_from_init_method
-from ringlet.transport import select
+from ringlet.transport import selection
 
 __all__ = [
     "GroupMember",
@@ -53,7 +53,7 @@ class _World:
     rank: int
     world_size: int
     store: Any                      # the world's prefixed store (``ringlet/<run>init<n>``)
-    backend: str                    # canonical transport spec (``ringlet.transport.select``)
+    backend: str                    # canonical transport spec (``ringlet.transport.selection``)
     backend_name: str               # what get_backend() answers (the name the user gave)
     timeout: float
     hosts: list[str]
@@ -215,7 +215,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if current_world(required=False) is not None:
         raise ValueError("trying to initialize the default process group twice!")
     debug.setup_logging(debug.get_debug_level().name)
-    name = select.parse_backend(backend)
+    name = selection.parse_backend(backend)
     seconds = _timeout_seconds(timeout)
     td = timedelta(seconds=seconds)
     bound = _cuda.bind_device(device_id, "init_process_group")
@@ -244,7 +244,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
 
 def _make_group(w: _World, ranks: list[int], gid: str, spec: str, given: str | None, timeout: float,
                 desc: str) -> ProcessGroup:
-    """Open the group's transport (``ringlet.transport.select``) and build its ProcessGroup with
+    """Open the group's transport (``ringlet.transport.selection``) and build its ProcessGroup with
     the world's hang reporter and, at debug level DETAIL, the cross-rank argument check."""
     from ringlet.store import PrefixStore
 
@@ -255,7 +255,7 @@ def _make_group(w: _World, ranks: list[int], gid: str, spec: str, given: str | N
     else:                       # a member that fails or leaves is named ([Note: group creation])
         gstore = _creation.SetupStore(f"pg/{gid}", w, gid, ranks, desc)
     try:
-        transport, resolved = select.open_transport(spec, gstore, me, hosts, timeout, desc)
+        transport, resolved = selection.open_transport(spec, gstore, me, hosts, timeout, desc)
     except BaseException as e:
         _creation.note_failure(w.store, gid, w.rank, e)
         raise
@@ -395,7 +395,7 @@ def create_groups(lists: list[list[int]], timeout: timedelta | float | None = No
     list, the group or ``GroupMember.NON_GROUP_MEMBER``.  ``DeviceMesh`` creates all of its
     groups with one call."""
     w = _world()
-    spec = select.parse_backend(backend) if backend else w.backend
+    spec = selection.parse_backend(backend) if backend else w.backend
     seconds = _timeout_seconds(timeout) if timeout is not None else w.timeout
     gids = []
     for members in lists:

@@ -33,7 +33,7 @@ from ringlet.dtensor._plan import (
     unsupported,
 )
 from ringlet.dtensor._redistribute import redistribute_local
-from ringlet.dtensor._spec import DTensorSpec
+from ringlet.dtensor._spec import DTensorSpec, decisions_of
 from ringlet.dtensor.placements import Shard
 
 __all__ = ["decide", "rule_for"]
@@ -105,7 +105,7 @@ def decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         if kind is not None and _aliases(func):
             kind |= ALIAS
     if key is not None and kind is not None and func not in NO_CACHE:
-        cache = call.mesh._op_cache
+        cache = decisions_of(call.mesh)
         if len(cache) >= MAX_DECISIONS:
             cache.clear()
         cache[key] = Decision(fn, tuple(_slot_moves(call, moves)), kind, desc)

@@ -23,10 +23,11 @@ Every aten op on a DTensor arrives here below autograd.  The steps:
 Steps 1-2 and the output specs of step 5 depend only on the op, the layouts of the
 DTensor arguments (``DTensorSpec._key``: placements, global shape, stride) and the
 other arguments' values, so the first call records a :class:`Decision` under that key
-in a dict on the mesh object, and later calls with the same key skip the rule: they
-build the key, swap DTensors for their local tensors, run the recorded moves (if any)
-and the local function, and wrap the result with the recorded spec -- the same spec
-object every time, so the next op's key is built from identical tokens.  Nothing is
+in the mesh's dict of decisions ([Note: decisions per mesh] in ``_spec.py``), and later
+calls with the same key skip the rule: they build the key, swap DTensors for their local
+tensors, run the recorded moves (if any) and the local function, and wrap the result with
+the recorded spec -- the same spec object every time, so the next op's key is built from
+identical tokens.  Nothing is
 ever invalidated: specs are immutable values and a rule's answer is a pure function of
 the key (rules must not look at tensor values or at state outside the key).  A Python
 float argument of an op in ``FLOAT_BLIND`` (elementwise ops, whose rules only ask whether
@@ -126,7 +127,7 @@ def torch_dispatch(cls: Any, func: Any, types: Any, args: tuple[Any, ...] = (),
                     mesh = _leaf(v, key, vals, mesh)
                 lkwargs[k] = vals[-1]
         tkey = tuple(key)
-        decision = mesh._op_cache.get(tkey)
+        decision = mesh._dtensor_decisions.get(tkey)      # [Note: decisions per mesh]
     # TypeError: unhashable; AttributeError: no mesh
     except (_Uncached, TypeError, AttributeError):
         return decide(func, args, kwargs or {}, None)

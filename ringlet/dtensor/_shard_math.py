@@ -11,6 +11,9 @@ applied in mesh-axis order, each axis chunking what the axes before it left
 (chunk of a chunk).  A ``_StridedShard`` is applied after every plain shard, so the
 order is: plain shards in mesh order, then strided ones in mesh order
 (:func:`shard_order`).  :func:`local_shape_and_offset` walks that order.
+
+This is ringlet's one ``torch.chunk`` size rule: fully_shard's flat layouts
+(``ringlet/parallel/fsdp/_shard_math.py``) take their shard sizes from here too.
 """
 
 from __future__ import annotations
@@ -26,10 +29,17 @@ __all__ = [
     "contiguous_strides",
     "local_shape_and_offset",
     "pad_dim",
+    "padded_chunk",
     "shard_order",
     "size_seen_by_axis",
     "strides_like",
 ]
+
+
+def padded_chunk(size: int, n: int) -> int:
+    """The size every shard but the last non-empty ones has: ``ceil(size / n)`` (what a shard is
+    padded to when all ``n`` must be equal, e.g. for an all-gather or fully_shard's buffers)."""
+    return -(-size // n)
 
 
 def chunk_sizes(size: int, n: int) -> list[int]:
@@ -42,20 +52,19 @@ def chunk_sizes(size: int, n: int) -> list[int]:
         raise ValueError(f"chunk_sizes: n: expected a positive number of shards, got {n}")
     if size < 0:
         raise ValueError(f"chunk_sizes: size: expected a non-negative size, got {size}")
-    full = -(-size // n)   # ceil
+    full = padded_chunk(size, n)
     return [max(0, min(full, size - i * full)) for i in range(n)]
 
 
 def chunk_size(size: int, n: int, i: int) -> int:
     """Size of shard ``i`` of ``n`` (see :func:`chunk_sizes`)."""
-    full = -(-size // n)
+    full = padded_chunk(size, n)
     return max(0, min(full, size - i * full))
 
 
 def chunk_offset(size: int, n: int, i: int) -> int:
     """Index of the first element of shard ``i`` of ``n`` along the dim (``size`` when empty)."""
-    full = -(-size // n)
-    return min(i * full, size)
+    return min(i * padded_chunk(size, n), size)
 
 
 def shard_order(placements: Sequence[object]) -> list[int]:

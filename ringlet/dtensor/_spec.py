@@ -19,7 +19,8 @@ from ringlet.dtensor import _shard_math
 from ringlet.dtensor.placements import Placement, Replicate, Shard
 from ringlet.mesh import DeviceMesh
 
-__all__ = ["DTensorSpec", "Placements", "format_spec", "normalize_placements"]
+__all__ = ["DECISIONS", "DTensorSpec", "Placements", "decisions_of", "format_spec",
+           "normalize_placements"]
 
 Placements = tuple[Placement, ...]
 
@@ -41,6 +42,8 @@ class DTensorSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_key", _intern(self.placements, self.shape, self.stride))
+        if DECISIONS not in self.mesh.__dict__:     # before the first op on this mesh's DTensors
+            decisions_of(self.mesh)
 
     @property
     def ndim(self) -> int:
@@ -66,6 +69,26 @@ class DTensorSpec:
 
     def is_replicated(self) -> bool:
         return all(p.is_replicate() for p in self.placements)
+
+
+# [Note: decisions per mesh]
+# The dispatch cache ([Note: dispatch cache] in ``_dispatch.py``) holds one dict of decisions
+# per mesh *object*: ranks that are threads build equal meshes, and a cached local function may
+# close over its own rank's coordinate.  The dict is DTensor's state, created and read only
+# here and in the dispatch; ``ringlet.mesh`` knows nothing of it.  It hangs on the mesh object
+# under the attribute ``DECISIONS`` (set on the first spec of a mesh) rather than in a map
+# beside it: the recorded output specs name their mesh, so a map keyed by the mesh (even
+# weakly) would keep every mesh, and its process groups, alive for ever; on the mesh, the dict
+# goes with it.  The hot path reads it as one attribute, as fast as a field of the mesh.
+DECISIONS = "_dtensor_decisions"
+
+
+def decisions_of(mesh: DeviceMesh) -> dict[Any, Any]:
+    """The dispatch decisions recorded for ``mesh`` (see [Note: decisions per mesh])."""
+    found = mesh.__dict__.get(DECISIONS)
+    if found is None:
+        found = mesh.__dict__.setdefault(DECISIONS, {})
+    return found
 
 
 class _SpecKey:
@@ -136,7 +159,7 @@ def format_spec(spec: DTensorSpec, dtype: torch.dtype) -> str:
                 for a, p in enumerate(spec.placements) if p.is_shard(d)]
         dims.append(str(size) + "".join(f"@{a}" for a in axes))
     tag = _DTYPE_TAGS.get(dtype, str(dtype).replace("torch.", ""))
-    pls = "".join(repr(p) for p in spec.placements)
+    pls = "".join(str(p) for p in spec.placements)
     return f"DTensor({tag}[{','.join(dims)}] {pls})"
 
 

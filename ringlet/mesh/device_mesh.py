@@ -89,9 +89,6 @@ class DeviceMesh:
         self._coord = coord
         self._world_rank = world_rank
         self._hash = hash((device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()), names))
-        # DTensor's per-mesh cache of sharding decisions ([Note: dispatch cache] in
-        # ringlet/dtensor/_dispatch.py); per mesh object, so ranks that are threads never share one.
-        self._op_cache: dict[Any, Any] = {}
 
     @classmethod
     def from_group(cls, group: Any, device_type: str, mesh: Any = None, *,

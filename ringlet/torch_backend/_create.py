@@ -25,11 +25,11 @@ def transport_spec() -> str:
         ValueError: the variable names no transport ringlet has.
     """
     from ringlet import _env
-    from ringlet.transport import select
+    from ringlet.transport import selection
 
     raw = _env.torch_transport()
-    spec = select.parse_backend(raw)
-    if spec.removesuffix(select.CUDA_NCCL) not in ("auto", "shm", "tcp"):
+    spec = selection.parse_backend(raw)
+    if spec.removesuffix(selection.CUDA_NCCL) not in ("auto", "shm", "tcp"):
         raise ValueError(f"{TRANSPORT_ENV}={raw!r}: expected one of ringlet's transports for "
                          "processes (auto, shm, tcp; or nccl: CUDA tensors on torch's NCCL), got "
                          f"{spec!r}")
@@ -43,7 +43,8 @@ def create(opts: Any, backend_options: Any = None) -> Any:
     from ringlet.c10d.rendezvous import rendezvous
     from ringlet.torch_backend._group import BACKEND_NAME, RingletProcessGroup
     from ringlet.torch_backend._store import TorchStore
-    from ringlet.transport import select
+    from ringlet.torch_backend._world import job
+    from ringlet.transport import selection
 
     if backend_options is not None:
         raise ValueError("ringlet backend: init_process_group/new_group: pg_options: torch's "
@@ -53,15 +54,20 @@ def create(opts: Any, backend_options: Any = None) -> Any:
     rank, size = int(opts.group_rank), int(opts.group_size)
     timeout: timedelta = opts.timeout
     seconds = timeout.total_seconds()
+    default = not list(opts.global_ranks_in_group)   # torch gives the default group no list
     ranks = list(opts.global_ranks_in_group) or list(range(size))
     name = str(opts.group_id)
     spec = transport_spec()
     store = TorchStore(opts.store, timeout)
     hosts = rendezvous(store, rank, size, f"{BACKEND_NAME}:{spec}", seconds)
     desc = f"torch group {name}" if ranks != list(range(size)) or name != "0" else "default_pg"
-    transport, resolved = select.open_transport(spec, store, rank, hosts, seconds, desc)
+    transport, resolved = selection.open_transport(spec, store, rank, hosts, seconds, desc)
+    if default:
+        job.start(store, rank)
+    reports = job.report_store(store)
     pg = ProcessGroup(name, ranks, rank, transport, seconds, BACKEND_NAME, desc,
                       transport_name=resolved,
-                      hang_reporter=lambda g, err: debug.hang_report(store, g, err),
+                      hang_reporter=lambda g, err: debug.hang_report(reports, g, err),
                       detail_check=debug.detail_check if debug.detail_enabled() else None)
-    return RingletProcessGroup(opts.store, pg)
+    job.add(pg)
+    return RingletProcessGroup(opts.store, pg, default=default)

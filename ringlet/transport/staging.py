@@ -4,7 +4,7 @@
 each call copies its device tensors into host memory (pinned, so the copies are DMA transfers),
 runs the CPU transport on the host copies, and copies the results back.  This is also how
 several ranks share one GPU -- NCCL refuses two ranks on one device -- in tests and on small
-machines.  ``select.open_transport`` puts a :class:`HostStagedTransport` behind the ``cuda``
+machines.  ``selection.open_transport`` puts a :class:`HostStagedTransport` behind the ``cuda``
 entry of a :class:`~ringlet.transport.split.DeviceSplitTransport` when CUDA is available, so CPU
 tensors still go straight to the CPU transport.
 

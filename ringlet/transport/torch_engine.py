@@ -4,7 +4,7 @@ The only module of ringlet that imports ``torch.distributed``.  It lets ringlet'
 checks, sequence numbers, fingerprints (``RINGLET_DEBUG=DETAIL``), hang reports and strategies run
 on torch's engines -- for GPU users (NCCL), or to compare engines on the same script.
 
-Selected by the backend name (see ``ringlet.transport.select``):
+Selected by the backend name (see ``ringlet.transport.selection``):
 
 =================================  ===========================================================
 ``"torch:gloo"``                   torch's gloo for CPU tensors

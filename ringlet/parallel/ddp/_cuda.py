@@ -1,4 +1,7 @@
-"""DDP on GPUs: where the module lives, ``device_ids``/``output_device``, moving inputs.
+"""DDP on GPUs: where the module lives, ``device_ids``/``output_device``.
+
+Moving the inputs to the module's device is ``ringlet/parallel/_device_moves.py``'s (shared with
+fully_shard).
 
 torch's rules, which ringlet keeps:
 
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DevicePlan", "aux_device", "move_to", "plan_devices"]
+__all__ = ["DevicePlan", "aux_device", "plan_devices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,23 +84,6 @@ def plan_devices(param_devices: Iterable[torch.device], device_ids: Any,
                          f"device_ids=[{device.index}]")
     out = ids[0] if output_device is None else _index(output_device, "output_device")
     return DevicePlan(device, ids, out)
-
-
-def move_to(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor inside (tuples, lists, dicts, namedtuples) moved to ``device``.
-
-    Copies from pinned memory are asynchronous on the current stream (``non_blocking``), so the
-    host does not wait for them; other containers and values pass through unchanged.
-    """
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.device == device else obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):           # namedtuple
-        return type(obj)(*(move_to(x, device) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(move_to(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, move_to(v, device)) for k, v in obj.items())
-    return obj
 
 
 def aux_device(pg: Any, device: torch.device | None) -> torch.device:

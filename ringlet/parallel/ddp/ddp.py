@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringlet.parallel._device_moves import move_to
 from ringlet.parallel.ddp import _checks, _options, _tp
-from ringlet.parallel.ddp._cuda import move_to
 from ringlet.parallel.ddp._join import DDPJoinHook, Join, Joinable, active_iteration
 from ringlet.parallel.ddp._logging import DDPLogging
 from ringlet.parallel.ddp._reducer import Phase, Reducer, traced

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ringlet.dtensor import DTensor
-from ringlet.parallel.fsdp import _collectives as C
+from ringlet.parallel.fsdp import _collectives as fsdp_comm
 from ringlet.parallel.fsdp._device import ShardHome
 from ringlet.parallel.fsdp._mesh_info import MeshInfo
 from ringlet.parallel.fsdp._param import FSDPParam
@@ -66,11 +66,11 @@ class FSDPParamGroup:
         # flat, param-major; storage size 0 when freed
         self._unsharded: torch.Tensor | None = None
         self._unsharded_alias: torch.Tensor | None = None  # same storage, own version counter
-        self._pending_unshard: C.AllGather | None = None
-        self._pending_reduce: C.ReduceScatter | None = None
+        self._pending_unshard: fsdp_comm.AllGather | None = None
+        self._pending_reduce: fsdp_comm.ReduceScatter | None = None
         # reduced shards on their way to the CPU (offload): (shards, params with grads, copy)
         self._landing: list[tuple[torch.Tensor, list[int], Any]] = []
-        self.pool = C.BufferPool()     # replaced by the root's shared pool at lazy init
+        self.pool = fsdp_comm.BufferPool()     # replaced by the root's shared pool at lazy init
         # HSDP: reduce-scattered, not yet all-reduced
         self._partial_reduce: torch.Tensor | None = None
         self._partial_with_grad: set[int] = set()
@@ -81,7 +81,7 @@ class FSDPParamGroup:
         self.unshard_in_backward = True
         self.divide_factor: float | None = None
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self.comm = C.CommOptions()
+        self.comm = fsdp_comm.CommOptions()
         self.reduce_scatter_unused_params = False
         self.unshard_async_op = False
         self.allocate_from_process_group = False
@@ -138,15 +138,13 @@ class FSDPParamGroup:
                                    "initialise them (e.g. reset_parameters()) first")
             pf = self._post_forward_shard
             if pf is not None and self.comm.post_forward_pg is not None:
-                self._pending_unshard = C.start_all_gather(pf, self.param_dtype, self.layout,
-                                                           self.comm.post_forward_pg, async_op,
-                                                           self.pool, device=self.home.device)
+                self._pending_unshard = fsdp_comm.start_all_gather(
+                    pf, self.param_dtype, self.layout, self.comm.post_forward_pg, async_op,
+                    self.pool, device=self.home.device)
             else:
-                self._pending_unshard = C.start_all_gather(self.shard_buffer, self.param_dtype,
-                                                           self.layout, self.mesh_info.shard_group,
-                                                           async_op,
-                                                           self.pool, self.comm.all_gather_comm,
-                                                           device=self.home.device)
+                self._pending_unshard = fsdp_comm.start_all_gather(
+                    self.shard_buffer, self.param_dtype, self.layout, self.mesh_info.shard_group,
+                    async_op, self.pool, self.comm.all_gather_comm, device=self.home.device)
         if async_op:
             return True
         self.wait_for_unshard()
@@ -164,7 +162,8 @@ class FSDPParamGroup:
         if pf_pg is not None and self._post_forward_shard is None:
             block = self.layout.gathered_numel // pf_pg.size()
             keep = (pf_pg.rank() * block, (pf_pg.rank() + 1) * block)
-        kept = C.finish_all_gather(ag, unsharded, self.layout, self.pool, self.shard_buffer, keep)
+        kept = fsdp_comm.finish_all_gather(ag, unsharded, self.layout, self.pool,
+                                           self.shard_buffer, keep)
         self._post_forward_shard = kept if kept is not None else self._post_forward_shard
         self._transition(ShardedState.SHARDED, ShardedState.UNSHARDED, "unshard")
         for p in self.params:
@@ -179,7 +178,7 @@ class FSDPParamGroup:
         if self._pending_unshard is not None:
             ag, self._pending_unshard = self._pending_unshard, None
             # nobody waited for it: let it finish
-            C.wait_all_gather(ag, self.pool, self.shard_buffer)
+            fsdp_comm.wait_all_gather(ag, self.pool, self.shard_buffer)
             if ag.pooled:
                 self.pool.give(ag.gathered)
         if not post_forward:
@@ -245,9 +244,10 @@ class FSDPParamGroup:
         else:
             grads = [p.take_unsharded_grad(rd) if p.requires_grad else None for p in self.params]
             pg = self.comm.reduce_scatter_pg or self.mesh_info.shard_group
-            rs = C.start_reduce_scatter(grads, self.layout, rd, pg, self.divide_factor, self.pool,
-                                        self.comm, always=self.reduce_scatter_unused_params,
-                                        device=self.home.device)
+            rs = fsdp_comm.start_reduce_scatter(grads, self.layout, rd, pg, self.divide_factor,
+                                                self.pool, self.comm,
+                                                always=self.reduce_scatter_unused_params,
+                                                device=self.home.device)
             if rs is not None and self.reduce_scatter_unused_params:
                 rs.with_grad = [i for i, p in enumerate(self.params) if p.requires_grad]
             self._pending_reduce = rs
@@ -267,7 +267,7 @@ class FSDPParamGroup:
                 self.land()
             return
         self._pending_reduce = None
-        out = C.finish_reduce_scatter(rs, self.pool)
+        out = fsdp_comm.finish_reduce_scatter(rs, self.pool)
         with_grad = set(rs.with_grad)
         if self.mesh_info.is_hsdp:
             if self._partial_reduce is not None:
@@ -277,8 +277,8 @@ class FSDPParamGroup:
             if not self.requires_all_reduce:
                 self._partial_reduce, self._partial_with_grad = out, with_grad
                 return
-            C.all_reduce_replicas(out, self.mesh_info.replicate_group, self.divide_factor,  # type: ignore[arg-type]
-                                  self.comm.force_sum)
+            fsdp_comm.all_reduce_replicas(out, self.mesh_info.replicate_group,  # type: ignore[arg-type]
+                                          self.divide_factor, self.comm.force_sum)
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(out)
         if out.dtype != self.orig_dtype:

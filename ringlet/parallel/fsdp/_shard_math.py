@@ -5,11 +5,12 @@ moves bytes with the copy helpers below.
 
 [Note: flat layouts]
 Each parameter is sharded on one dim (dim 0 unless ``shard_placement_fn`` says otherwise)
-with ``torch.chunk`` semantics: ``chunk = ceil(size / world)`` units per rank, rank ``r``
-owns units ``[r * chunk, min(size, (r + 1) * chunk))`` -- possibly none (33 rows on 2 ranks:
-17 and 16; 1 row on 2 ranks: 1 and 0).  A *unit* is one index along the shard dim, i.e.
-``numel / size`` elements.  Every rank stores each parameter's shard padded to ``chunk``
-units, back to back, in one flat *shard buffer* of ``shard_numel`` elements::
+with ``torch.chunk`` semantics (DTensor's rule, ``ringlet/dtensor/_shard_math.py``, so a
+fully_shard parameter's shard is its DTensor's local tensor): ``chunk = ceil(size / world)``
+units per rank, rank ``r`` owns units ``[r * chunk, min(size, (r + 1) * chunk))`` -- possibly
+none (33 rows on 2 ranks: 17 and 16; 1 row on 2 ranks: 1 and 0).  A *unit* is one index along
+the shard dim, i.e. ``numel / size`` elements.  Every rank stores each parameter's shard padded
+to ``chunk`` units, back to back, in one flat *shard buffer* of ``shard_numel`` elements::
 
     [p0 shard | pad][p1 shard | pad] ...
 
@@ -30,18 +31,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["GroupLayout", "ParamSpec", "chunk_units", "copy_in_grads", "copy_out", "plan_group",
-           "shard_of"]
+from ringlet.dtensor._shard_math import chunk_offset, chunk_size, padded_chunk
 
-
-def chunk_units(size: int, world: int) -> list[int]:
-    """Units of a dim of ``size`` that each of ``world`` ranks owns (``torch.chunk`` semantics)."""
-    if world < 1:
-        raise ValueError(f"chunk_units: expected world >= 1, got {world}")
-    if size < 0:
-        raise ValueError(f"chunk_units: expected size >= 0, got {size}")
-    chunk = math.ceil(size / world)
-    return [max(0, min(chunk, size - r * chunk)) for r in range(world)]
+__all__ = ["GroupLayout", "ParamSpec", "copy_in_grads", "copy_out", "plan_group", "shard_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +62,7 @@ class ParamSpec:
     @functools.cached_property
     def chunk(self) -> int:
         """Padded units per rank."""
-        return math.ceil(self.size / self.world)
+        return padded_chunk(self.size, self.world)
 
     @functools.cached_property
     def padded_numel(self) -> int:
@@ -78,7 +70,7 @@ class ParamSpec:
         return self.chunk * self.unit
 
     def local_units(self, rank: int) -> int:
-        return max(0, min(self.chunk, self.size - rank * self.chunk))
+        return chunk_size(self.size, self.world, rank)
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         s = list(self.shape)
@@ -151,7 +143,7 @@ def shard_of(full: torch.Tensor, spec: ParamSpec, rank: int) -> torch.Tensor:
     if tuple(full.shape) != spec.shape:
         raise ValueError("shard_of: expected a tensor of shape "
                          f"{list(spec.shape)}, got {list(full.shape)}")
-    start = min(rank * spec.chunk, spec.size)
+    start = chunk_offset(spec.size, spec.world, rank)
     return full.narrow(spec.dim, start, spec.local_units(rank))
 
 

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ringlet.parallel.ddp._cuda import move_to
+from ringlet.parallel._device_moves import move_to
 from ringlet.parallel.fsdp._collectives import BufferPool
 from ringlet.parallel.fsdp._param_group import FSDPParamGroup, ShardedState
 from ringlet.parallel.fsdp.policies import MixedPrecisionPolicy
