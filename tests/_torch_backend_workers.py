@@ -297,3 +297,26 @@ def _two_d(rank: int, world: int) -> dict[str, Any]:
 
 def two_d(rank: int, world: int, path: str) -> dict[str, Any]:
     return _on_both(rank, world, path, _two_d)
+
+
+def fsdp_rank_stalls(rank: int, world: int, path: str) -> tuple[str, str, float]:
+    """Under torch's fully_shard, rank 1 stops taking steps (alive, silent): rank 0's next step
+    ends with ringlet's timeout and hang report after the group's timeout (3 s)."""
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _init("ringlet", path, rank, world, seconds=3)
+    m = _mlp()
+    fully_shard(m, mesh=init_device_mesh("cpu", (world,)))
+    _train(m, rank, steps=1)
+    t0 = time.monotonic()
+    try:
+        if rank == 1:
+            time.sleep(6)
+            return "none", "", 0.0
+        _train(m, rank, steps=1)
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "none", "", time.monotonic() - t0

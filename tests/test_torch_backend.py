@@ -121,3 +121,13 @@ def test_torch_2d_layouts_equal_gloo_on_four_ranks(tmp_path) -> None:
     per_rank = raise_first(run_world(4, W.two_d, str(tmp_path / "init"), timeout=110))
     for rank, got in enumerate(per_rank):
         _same(got["gloo"], got["ringlet"], f"rank {rank}")
+
+
+def test_a_stalled_rank_inside_torch_fully_shard_is_named(tmp_path) -> None:
+    res = run_world(2, W.fsdp_rank_stalls, str(tmp_path / "init"), timeout=60)
+    kind, text, took = raise_first([res[0]])[0]
+    assert kind == "CollectiveTimeoutError", text
+    assert "rank 1" in text, text
+    # the hang report: every rank answered, and rank 1's line names where it is
+    assert "no answer" not in text and "in fsdp_rank_stalls()" in text, text
+    assert took < 30

@@ -43,6 +43,7 @@ def create(opts: Any, backend_options: Any = None) -> Any:
     from ringlet.c10d.rendezvous import rendezvous
     from ringlet.torch_backend._group import BACKEND_NAME, RingletProcessGroup
     from ringlet.torch_backend._store import TorchStore
+    from ringlet.torch_backend._world import job
     from ringlet.transport import selection
 
     if backend_options is not None:
@@ -53,6 +54,7 @@ def create(opts: Any, backend_options: Any = None) -> Any:
     rank, size = int(opts.group_rank), int(opts.group_size)
     timeout: timedelta = opts.timeout
     seconds = timeout.total_seconds()
+    default = not list(opts.global_ranks_in_group)   # torch gives the default group no list
     ranks = list(opts.global_ranks_in_group) or list(range(size))
     name = str(opts.group_id)
     spec = transport_spec()
@@ -60,8 +62,12 @@ def create(opts: Any, backend_options: Any = None) -> Any:
     hosts = rendezvous(store, rank, size, f"{BACKEND_NAME}:{spec}", seconds)
     desc = f"torch group {name}" if ranks != list(range(size)) or name != "0" else "default_pg"
     transport, resolved = selection.open_transport(spec, store, rank, hosts, seconds, desc)
+    if default:
+        job.start(store, rank)
+    reports = job.report_store(store)
     pg = ProcessGroup(name, ranks, rank, transport, seconds, BACKEND_NAME, desc,
                       transport_name=resolved,
-                      hang_reporter=lambda g, err: debug.hang_report(store, g, err),
+                      hang_reporter=lambda g, err: debug.hang_report(reports, g, err),
                       detail_check=debug.detail_check if debug.detail_enabled() else None)
-    return RingletProcessGroup(opts.store, pg)
+    job.add(pg)
+    return RingletProcessGroup(opts.store, pg, default=default)

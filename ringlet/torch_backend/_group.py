@@ -80,13 +80,14 @@ class RingletProcessGroup(tdist.ProcessGroup):
     transport), for inspection.
     """
 
-    def __init__(self, store: Any, ringlet_group: Any) -> None:
+    def __init__(self, store: Any, ringlet_group: Any, default: bool = False) -> None:
         super().__init__(ringlet_group.rank(), ringlet_group.size())
         self._store = store          # torch 2.13 routes only (rank, size) through its trampoline
         self.ringlet_group = ringlet_group
         self._gname = ""
         self._gdesc = ""
         self._coalescing: list[Any] | None = None
+        self._default = default     # torch's default group: its end stops the hang watchdog
 
     # -- identity -------------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -302,9 +303,14 @@ class RingletProcessGroup(tdist.ProcessGroup):
         self.ringlet_group.set_timeout(timeout)
 
     def abort(self) -> None:
-        self.ringlet_group.destroy()
+        self.shutdown()
 
     def shutdown(self) -> None:
+        from ringlet.torch_backend._world import job
+
+        job.remove(self.ringlet_group)
+        if self._default:
+            job.stop()
         self.ringlet_group.destroy()
 
 
