@@ -76,6 +76,53 @@ def _user_traceback(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
+# ringlet's package and torch's: the frames an error raised by ringlet passes through below the
+# user's last line (DTensor ops reach ringlet through torch's dispatch).
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+TRIMMED_NOTE = ("(ringlet's own frames below your last line are hidden; "
+                "RINGLET_DEBUG=DETAIL shows them)")
+
+
+def _in_library(tb: TracebackType, dirs: tuple[str, ...]) -> bool:
+    return _frame_file(tb).startswith(dirs)
+
+
+def _trim_library_tail(exc: BaseException, tb: TracebackType | None) -> TracebackType | None:
+    """An error raised inside ringlet ends the traceback at the user's last line: the frames
+    below it (ringlet's, and torch's on the way to ringlet) tell a user nothing they can act on,
+    and the message names the op, the argument and the rank.  Kept whole under
+    ``RINGLET_DEBUG=DETAIL`` (or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``)."""
+    debug = os.environ.get("RINGLET_DEBUG") or os.environ.get("TORCH_DISTRIBUTED_DEBUG") or ""
+    if tb is None or debug.upper() == "DETAIL":
+        return tb
+    frames = []
+    t: TracebackType | None = tb
+    while t is not None:
+        frames.append(t)
+        t = t.tb_next
+    if not _in_library(frames[-1], _LIBRARY_DIRS):
+        return tb                       # raised in the user's code (or another library's)
+    torch_dir = _torch_dir()
+    dirs = _LIBRARY_DIRS + ((torch_dir,) if torch_dir else ())
+    last_user = max((i for i, f in enumerate(frames) if not _in_library(f, dirs)), default=-1)
+    if last_user < 0 or last_user == len(frames) - 1:
+        return tb
+    # Cut the chain after the user's frame: a traceback is a linked list of new objects here,
+    # rebuilt from the user's frames so the exception's own traceback is left as it was.
+    cut: TracebackType | None = None
+    for f in reversed(frames[:last_user + 1]):
+        cut = TracebackType(cut, f.tb_frame, f.tb_lasti, f.tb_lineno)
+    if hasattr(exc, "add_note") and TRIMMED_NOTE not in getattr(exc, "__notes__", ()):
+        exc.add_note(TRIMMED_NOTE)
+    return cut
+
+
+def _torch_dir() -> str | None:
+    mod = sys.modules.get("torch")
+    path = getattr(mod, "__file__", None)
+    return os.path.dirname(os.path.abspath(path)) + os.sep if path else None
+
+
 def write_error_file(path: str, exc: BaseException, tb: TracebackType | None) -> None:
     """Write one exception as JSON to ``path`` (atomically: temp file + rename).
 
@@ -83,7 +130,8 @@ def write_error_file(path: str, exc: BaseException, tb: TracebackType | None) ->
     elastic's ``{"message": {"message", "extraInfo": {"py_callstack", "timestamp"}}}``.
     """
     now = time.time()
-    text = "".join(traceback.format_exception(type(exc), exc, _user_traceback(tb)))
+    text = "".join(traceback.format_exception(type(exc), exc,
+                                              _trim_library_tail(exc, _user_traceback(tb))))
     record = {
         "rank": int(os.environ.get("RANK", "-1")),
         "local_rank": int(os.environ.get("LOCAL_RANK", "-1")),
@@ -116,7 +164,8 @@ def install_excepthook() -> None:
             print(f"ringlet: could not write error file {path}: {err}", file=sys.stderr)
         if previous is sys.__excepthook__:
             # The default hook prints exc.__traceback__ whatever tb it is given.
-            traceback.print_exception(exc_type, exc, _user_traceback(tb), file=sys.stderr)
+            shown = _trim_library_tail(exc, _user_traceback(tb))
+            traceback.print_exception(exc_type, exc, shown, file=sys.stderr)
         else:
             previous(exc_type, exc, tb)
 
