@@ -231,6 +231,8 @@ class RingletProcessGroup(tdist.ProcessGroup):
         return self._run(lambda a: rc.all_to_all_single(output, input, osz, isz,
                                                         self.ringlet_group, a), [output], opts)
 
+    all_to_all_single = alltoall_base     # torch 2.13's Python API calls it by this name
+
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> tdist._Work:
         outs, ins = list(output_tensors), list(input_tensors)
