@@ -14,6 +14,7 @@ LAYERS = {
     "ringlet.errors": 0, "ringlet._env": 0, "ringlet._version": 0,
     "ringlet._segments": 0,         # shm segment names and their sweep (transport and launcher)
     "ringlet._heartbeat": 0,        # progress beats: c10d writes, the launcher reads
+    "ringlet._compile": 0,          # torch.compiler.disable without importing torch._dynamo
     "ringlet.store": 1,
     "ringlet.transport": 2,
     "ringlet.c10d": 3,

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from ringlet._compile import compiler_disable
 from ringlet.dtensor._api import DTensor
 from ringlet.dtensor._decide import ALIAS, alias_context, decide, local_spec
 from ringlet.dtensor._plan import (
@@ -154,7 +155,7 @@ class _Eager(threading.local):
 _EAGER = _Eager()
 
 
-@torch.compiler.disable
+@compiler_disable
 def _eager_dispatch(cls: Any, func: Any, types: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any] | None) -> Any:
     """The dispatch run eagerly when torch.compile's tracer reaches it: a graph break at each

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
+from ringlet._compile import compiler_disable
 from ringlet.dtensor._api import DTensor, default_mesh, distribute_tensor
 from ringlet.dtensor.placements import Replicate
 from ringlet.mesh import DeviceMesh
@@ -56,10 +56,10 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
     # The hooks move data between ranks: under torch.compile they run eagerly (graph breaks).
     if input_fn is not None:
         module.register_forward_pre_hook(
-            torch.compiler.disable(lambda mod, inputs: input_fn(mod, inputs, mesh)))
+            compiler_disable(lambda mod, inputs: input_fn(mod, inputs, mesh)))
     if output_fn is not None:
         module.register_forward_hook(
-            torch.compiler.disable(lambda mod, inputs, outputs: output_fn(mod, outputs, mesh)))
+            compiler_disable(lambda mod, inputs, outputs: output_fn(mod, outputs, mesh)))
     module._distribute_module_applied = True  # type: ignore[assignment]
     return module
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringlet._compile import compiler_disable
 from ringlet.parallel._device_moves import move_to
 from ringlet.parallel.ddp import _checks, _options, _tp
 from ringlet.parallel.ddp._join import DDPJoinHook, Join, Joinable, active_iteration
@@ -179,7 +180,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             out = self.module(*inputs, **kwargs)
             return self._after_module(training, out, join_work)
 
-    @torch.compiler.disable
+    @compiler_disable
     def _before_module(self, training: bool, inputs: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
         join_work = None
@@ -190,7 +191,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             inputs, kwargs = move_to((inputs, kwargs), self.device)
         return inputs, kwargs, join_work
 
-    @torch.compiler.disable
+    @compiler_disable
     def _after_module(self, training: bool, out: Any, join_work: Any) -> Any:
         if training:
             self._logging.forward_end()

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ringlet._compile import compiler_disable
 from ringlet.parallel._device_moves import move_to
 from ringlet.parallel.fsdp._collectives import BufferPool
 from ringlet.parallel.fsdp._param_group import FSDPParamGroup, ShardedState
@@ -163,7 +164,7 @@ class FSDPState:
     # -- forward ---------------------------------------------------------------------------
     # Under torch.compile the hooks run eagerly (a graph break each) and only the module's own
     # forward is traced: what they do (collectives, swapping parameters) must not be traced.
-    @torch.compiler.disable
+    @compiler_disable
     def _pre_forward_hook(self, module: nn.Module, args: tuple[Any, ...],
                           kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         # forward() called by e.g. generate()
@@ -178,7 +179,7 @@ class FSDPState:
             self._to_run = {id(m) for m in self.modules} if inside else {id(module)}
         return out
 
-    @torch.compiler.disable
+    @compiler_disable
     def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.method_depth and self.training_state is _T.FORWARD:
             return output

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
+from ringlet._compile import compiler_disable
 from ringlet.dtensor import DTensor, Placement
 from ringlet.mesh import DeviceMesh
 from ringlet.parallel.tensor_parallel._layouts import as_layout
@@ -105,12 +105,12 @@ class PrepareModuleInput(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         # under torch.compile the hooks run eagerly (they may redistribute: collectives)
         if self.with_kwargs:
-            module.register_forward_pre_hook(torch.compiler.disable(
+            module.register_forward_pre_hook(compiler_disable(
                 lambda _, args,
                 kwargs: (self._inputs(args, device_mesh), self._kwargs(kwargs, device_mesh))),
                 with_kwargs=True)
         else:
-            module.register_forward_pre_hook(torch.compiler.disable(
+            module.register_forward_pre_hook(compiler_disable(
                 lambda _, args: self._inputs(args, device_mesh)))
         return module
 
@@ -155,7 +155,7 @@ class PrepareModuleOutput(ParallelStyle):
         return done[0] if len(done) == 1 else tuple(done)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(torch.compiler.disable(
+        module.register_forward_hook(compiler_disable(
             lambda _, inputs, outputs: self._outputs(outputs, device_mesh)))
         return module
 
