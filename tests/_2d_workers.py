@@ -191,7 +191,7 @@ def fsdp_tp_train(rank: int, world: int, variant: str, steps: int = 3,
     model = tensor_parallel(make_ref(dims=dims), tp_mesh, tp_mesh.ndim - 1)
     fully_shard(model.fc1, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
-    out: dict[str, Any] = {"placements": {n: "".join(map(repr, p.placements))
+    out: dict[str, Any] = {"placements": {n: "".join(map(str, p.placements))
                                           for n, p in model.named_parameters()},
                            "meshes": sorted({p.device_mesh.mesh_dim_names
                                              for p in model.parameters()})}

@@ -62,7 +62,7 @@ def mesh_and_dtensor_vs_torch(rank: int, n: int, tmp: str) -> dict[str, Any]:
                         distribute_tensor(b, mesh, [Shard(0)]))
         tprod = torch.mm(tdt.distribute_tensor(a, tmesh, [tdt.Shard(1)]),
                          tdt.distribute_tensor(b, tmesh, [tdt.Shard(0)]))
-        if repr(prod.placements[0]) != "P(sum)" or not tprod.placements[0].is_partial():
+        if repr(prod.placements[0]) != "Partial(sum)" or not tprod.placements[0].is_partial():
             failures.append(f"rank {rank}: mm placements {prod.placements} vs torch "
                             f"{tprod.placements}")
         same("mm P->R", prod.full_tensor(), tprod.full_tensor())

@@ -234,6 +234,6 @@ def llama_2d(rank: int, n: int, strategy: str, steps: int = 5,
     sd = (model.module if strategy == "ddp" else model).state_dict()
     out["param_diff"] = max(float((full(sd[k]) - v).abs().max())
                             for k, v in ref.state_dict().items())
-    out["placements"] = sorted({"".join(map(repr, v.placements)) for v in sd.values()
+    out["placements"] = sorted({"".join(map(str, v.placements)) for v in sd.values()
                                 if isinstance(v, DTensor)})
     return out

@@ -13,9 +13,9 @@ from ringlet.testing.procs import raise_first, run_world
 pytestmark = pytest.mark.timeout(90)
 
 EXPECTED = {
-    "fsdp": {"fc1.weight": "_S(0,2)S(0)", "fc1.bias": "_S(0,2)S(0)", "fc2.weight": "S(0)S(1)",
+    "fsdp": {"fc1.weight": "_S(0, 2)S(0)", "fc1.bias": "_S(0, 2)S(0)", "fc2.weight": "S(0)S(1)",
              "fc2.bias": "S(0)R"},
-    "hsdp": {"fc1.weight": "R_S(0,2)S(0)", "fc1.bias": "R_S(0,2)S(0)", "fc2.weight": "RS(0)S(1)",
+    "hsdp": {"fc1.weight": "R_S(0, 2)S(0)", "fc1.bias": "R_S(0, 2)S(0)", "fc2.weight": "RS(0)S(1)",
              "fc2.bias": "RS(0)R"},
 }
 

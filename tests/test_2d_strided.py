@@ -34,7 +34,8 @@ def test_local_shape_and_offset_applies_strided_shards_last() -> None:
     assert [local_shape_and_offset((7,), (2, 2), (d, t), pls)[0][0] for t in range(2)
             for d in range(2)] == \
         [2, 2, 2, 1]
-    assert repr(_StridedShard(0, 2)) == "_S(0,2)" and _StridedShard(0, 2) != Shard(0)
+    assert repr(_StridedShard(0, 2)) == "_StridedShard(dim=0, sf=2)" and \
+        str(_StridedShard(0, 2)) == "_S(0, 2)" and _StridedShard(0, 2) != Shard(0)
 
 
 PLACEMENTS = [(_StridedShard(0, 2), Shard(0)), (Shard(0), Shard(0)), (R, Shard(0)),
@@ -108,4 +109,4 @@ def test_optimizer_and_clipping_on_strided_parameters_match_plain_tensors() -> N
     for r in run_threads(_optimizer_ops, 4):
         assert r["placements"] == (_StridedShard(0, 2), Shard(0)), r
         assert r["step"] < 1e-6 and r["norm"] < 1e-5 and r["clipped"] < 1e-6 and r["add"] < 1e-6, r
-        assert "_S(0,2)" in str(r["view"]), r
+        assert "_S(0, 2)" in str(r["view"]), r

@@ -18,12 +18,15 @@ def _mesh_2x2(rank: int, n: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp, dp = mesh["tp"], mesh["dp"]
     out = {
-        "repr": repr(mesh), "tp": repr(tp), "dp": repr(dp), "coord": mesh.get_coordinate(),
+        "repr": repr(mesh), "tp": (repr(tp), tp.mesh.tolist()),
+        "dp": (repr(dp), dp.mesh.tolist()),
+        "coord": mesh.get_coordinate(),
         "local": (mesh.get_local_rank("dp"), mesh.get_local_rank(1), tp.get_local_rank()),
         "groups": [g.ranks for g in mesh.get_all_groups()], "tp_group": tp.get_group().ranks,
         "by_name": mesh.get_group("tp") is mesh.get_group(1) is tp.get_group(),
         "sizes": (mesh.size(), mesh.size(0), mesh.size("tp"), mesh.ndim, mesh.shape),
-        "rank": mesh.get_rank(), "swapped": repr(mesh["tp", "dp"]),
+        "rank": mesh.get_rank(),
+        "swapped": (repr(mesh["tp", "dp"]), mesh["tp", "dp"].mesh.tolist()),
         "whole": mesh["dp", "tp"] is mesh,
     }
     t = torch.tensor([float(rank)])
@@ -31,7 +34,7 @@ def _mesh_2x2(rank: int, n: int) -> dict:
     out["tp_sum"] = t.item()
     out["resolve"] = resolve_group(dp) is dp.get_group()
     flat = mesh._flatten("dp_tp")
-    out["flat"] = (repr(flat), flat.get_local_rank(), mesh["dp_tp"] == flat,
+    out["flat"] = ((repr(flat), flat.mesh.tolist()), flat.get_local_rank(), mesh["dp_tp"] == flat,
                    flat.get_group() is not None)
     out["eq"] = (mesh == init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
                  hash(tp)
@@ -50,11 +53,11 @@ def _mesh_2x2(rank: int, n: int) -> dict:
 @pytest.mark.timeout(60)
 def test_mesh_2x2_on_threads() -> None:
     res = run_threads(_mesh_2x2, 4)
-    assert res[0]["repr"] == "DeviceMesh(cpu, [[0, 1], [2, 3]], names=('dp', 'tp'))"
-    assert [r["tp"] for r in res] == ["DeviceMesh(cpu, [0, 1], names=('tp',))"] * 2 + \
-        ["DeviceMesh(cpu, [2, 3], names=('tp',))"] * 2
-    assert [r["dp"] for r in res] == ["DeviceMesh(cpu, [0, 2], names=('dp',))",
-                                      "DeviceMesh(cpu, [1, 3], names=('dp',))"] * 2
+    # printed as torch prints meshes (sizes, device, strides in the root mesh; no ranks)
+    assert res[0]["repr"] == "DeviceMesh((dp=2, tp=2), 'cpu', stride=(2, 1))"
+    tp, dp = "DeviceMesh((tp=2), 'cpu', stride=(1,))", "DeviceMesh((dp=2), 'cpu', stride=(2,))"
+    assert [r["tp"] for r in res] == [(tp, [0, 1])] * 2 + [(tp, [2, 3])] * 2
+    assert [r["dp"] for r in res] == [(dp, [0, 2]), (dp, [1, 3])] * 2
     assert [r["coord"] for r in res] == [[0, 0], [0, 1], [1, 0], [1, 1]]
     assert [r["local"] for r in res] == [(0, 0, 0), (0, 1, 1), (1, 0, 0), (1, 1, 1)]
     assert [r["groups"] for r in res] == [[[0, 2], [0, 1]], [[1, 3], [0, 1]], [[0, 2], [2, 3]],
@@ -63,8 +66,9 @@ def test_mesh_2x2_on_threads() -> None:
     for r in res:
         assert r["by_name"] and r["resolve"] and r["whole"] and all(r["eq"])
         assert r["sizes"] == (4, 2, 2, 2, (2, 2))
-        assert r["swapped"] == "DeviceMesh(cpu, [[0, 2], [1, 3]], names=('tp', 'dp'))"
-        assert (r["flat"][0] == "DeviceMesh(cpu, [0, 1, 2, 3], names=('dp_tp',))"
+        assert r["swapped"] == ("DeviceMesh((tp=2, dp=2), 'cpu', stride=(1, 2))",
+                                [[0, 2], [1, 3]])
+        assert (r["flat"][0] == ("DeviceMesh((dp_tp=4), 'cpu', stride=(1,))", [0, 1, 2, 3])
                 and all(r["flat"][2:]))
     assert [r["flat"][1] for r in res] == [0, 1, 2, 3]
 
@@ -81,7 +85,7 @@ def _mesh_odd_layouts(rank: int, n: int) -> dict:
     if rank < 2:
         pg = dist.new_group([0, 1], use_local_synchronization=True)
         m = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("x",))
-        out["from_group"] = (repr(m), m.get_group() is pg)
+        out["from_group"] = (repr(m), m.mesh.tolist(), m.get_group() is pg)
     else:
         with pytest.raises(ValueError, match="not part of"):
             sub.get_local_rank(0)
@@ -105,7 +109,7 @@ def test_mesh_layouts_subsets_and_errors_on_threads() -> None:
     assert [r["rev"] for r in res] == [[0, 1], [0, 0], [1, 1], [1, 0]]
     assert [r["rev_order"] for r in res] == [[1, 0]] * 4
     assert [r["sub"] for r in res] == [[0], [1], None, None]
-    assert res[0]["from_group"] == ("DeviceMesh(cpu, [0, 1], names=('x',))", True)
+    assert res[0]["from_group"] == ("DeviceMesh((x=2), 'cpu', stride=(1,))", [0, 1], True)
 
 
 @pytest.mark.timeout(120)

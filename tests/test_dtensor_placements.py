@@ -19,9 +19,13 @@ R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 
 
 def test_placements_print_compare_and_hash() -> None:
-    assert [repr(p) for p in (S0, Shard(2), R, P, Partial("max"), _NormPartial(norm_type=2.0))] == \
-        ["S(0)", "S(2)", "R", "P(sum)", "P(max)", "P(norm2)"]
-    assert str(S1) == "S(1)" and repr(_NormPartial(norm_type=math.inf)) == "P(norminf)"
+    # repr and str as torch prints them (tests/test_torch_reprs.py compares with torch's objects)
+    placements = (S0, Shard(2), R, P, Partial("max"), _NormPartial(norm_type=2.0))
+    assert [repr(p) for p in placements] == ["Shard(dim=0)", "Shard(dim=2)", "Replicate()",
+                                             "Partial(sum)", "Partial(max)", "_NormPartial(2.0)"]
+    assert [str(p) for p in placements] == ["S(0)", "S(2)", "R", "P(sum)", "P(max)", "_NormP(2.0)"]
+    assert str(S1) == "S(1)" and repr(_NormPartial(norm_type=math.inf)) == "_NormPartial(inf)"
+    assert repr([S0, R]) == "[Shard(dim=0), Replicate()]"
     assert Shard(0) == S0 and Shard(0) != S1 and Replicate() == R and Partial("sum") == P
     assert P != Partial("avg") and _NormPartial() != P and S0 != R
     assert len({Shard(0), Shard(0), Replicate(), Replicate(), Partial(), Partial("sum")}) == 3

@@ -94,7 +94,7 @@ def test_optimizers_and_clip_grad_norm_match_full_tensors() -> None:
         for key, (same, norms, state) in r.items():
             assert same, key
             for total, counts, close in norms:          # the global norm, reduced once
-                assert (total == "DTensor(f32[] P(norm2))" and counts == {"all_reduce": 1}
+                assert (total == "DTensor(f32[] _NormP(2.0))" and counts == {"all_reduce": 1}
                         and close), key
             assert all(s == "DTensor(f32[5@0,4] S(0))" for s in state), (key, state)
 
@@ -215,5 +215,5 @@ def test_distribute_module() -> None:
     assert r["placements"] == ["DTensor(f32[5@0,4] S(0))", "DTensor(f32[5] R)",
                                "DTensor(f32[3,5] R)", "DTensor(f32[3] R)"]
     assert r["buffer"] == "DTensor(f32[1] R)" and r["forward"]
-    assert r["default"] == {"(R,)"}
+    assert r["default"] == {"(Replicate(),)"}
     assert r["loss"] == ("DTensor(f32[] R)", True, True)

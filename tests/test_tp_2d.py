@@ -12,7 +12,7 @@ PLACEMENTS = {
     # state dicts hold the 2-d layout: DDP keeps the TP DTensors (Replicate on dp implied by the
     # tp-only mesh); fully_shard adds Shard(0) on dp (strided where TP shards the same dim)
     "ddp": ["R", "S(0)", "S(1)"],
-    "fsdp": ["S(0)R", "S(0)S(1)", "_S(0,2)S(0)"],
+    "fsdp": ["S(0)R", "S(0)S(1)", "_S(0, 2)S(0)"],
 }
 
 

@@ -57,7 +57,7 @@ class Step:
         return "chunk" if isinstance(d, Shard) else "partition"
 
     def __repr__(self) -> str:
-        return f"axis {self.axis}: {self.src!r}->{self.dst!r} ({self.kind})"
+        return f"axis {self.axis}: {self.src}->{self.dst} ({self.kind})"   # short str tags
 
 
 def _dims(p: Placement) -> set[int]:

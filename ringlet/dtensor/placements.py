@@ -1,18 +1,21 @@
 """Placements: how a DTensor's global value is laid out along one mesh axis.
 
-Three small frozen value objects that own their math, each printing as a short tag:
+Three small frozen value objects that own their math.  Each prints as torch's does: ``repr``
+spells it out (``Shard(dim=0)``), ``str`` is a short tag (``S(0)``, used in ringlet's one-line
+DTensor repr):
 
 * ``Shard(dim)`` -- ``S(0)``: every rank along the axis holds one ``torch.chunk``
   piece of tensor dim ``dim`` (uneven sizes allowed, see ``_shard_math``).
 * ``Replicate()`` -- ``R``: every rank holds the whole value.
-* ``Partial(reduce_op="sum")`` -- ``P(sum)``: every rank holds a tensor of the full
-  shape and the global value is their reduction (``sum``, ``avg``, ``max``, ``min``).
-* ``_StridedShard(dim, split_factor)`` -- ``_S(0,2)``: a ``Shard`` that chunks after the
-  later axes' shards of the same dim (fully_shard over tensor-parallel parameters).
+* ``Partial(reduce_op="sum")`` -- ``P(sum)`` (repr ``Partial(sum)``): every rank holds a tensor
+  of the full shape and the global value is their reduction (``sum``, ``avg``, ``max``, ``min``).
+* ``_StridedShard(dim, split_factor)`` -- ``_S(0, 2)`` (repr ``_StridedShard(dim=0, sf=2)``): a
+  ``Shard`` that chunks after the later axes' shards of the same dim (fully_shard over
+  tensor-parallel parameters).
 
-``_NormPartial(norm_type)`` -- ``P(norm2)`` -- is the partial state of a p-norm: the
-global value is ``(sum_r x_r ** p) ** (1 / p)``; reductions produce it so that
-``clip_grad_norm_`` reduces once, at the end.
+``_NormPartial(norm_type)`` -- ``_NormP(2.0)`` (repr ``_NormPartial(2.0)``) -- is the partial
+state of a p-norm: the global value is ``(sum_r x_r ** p) ** (1 / p)``; reductions produce it
+so that ``clip_grad_norm_`` reduces once, at the end.
 """
 
 from __future__ import annotations
@@ -60,9 +63,10 @@ class Shard(Placement):
             raise TypeError(f"Shard: dim: expected an int, got {self.dim!r}")
 
     def __repr__(self) -> str:
-        return f"S({self.dim})"
+        return f"Shard(dim={self.dim})"
 
-    __str__ = __repr__
+    def __str__(self) -> str:
+        return f"S({self.dim})"
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
@@ -83,8 +87,9 @@ class Shard(Placement):
 class _StridedShard(Shard):
     """A ``Shard(dim)`` applied *after* the shards of the later mesh axes on the same dim.
 
-    Prints as ``_S(0,2)``.  Plain shards nest in mesh-axis order (chunk of a chunk); a strided
-    shard takes its chunk last, out of what the plain ones left.  fully_shard over a
+    Prints as ``_StridedShard(dim=0, sf=2)`` (``str``: ``_S(0, 2)``).  Plain shards nest in
+    mesh-axis order (chunk of a chunk); a strided shard takes its chunk last, out of what the
+    plain ones left.  fully_shard over a
     tensor-parallel parameter needs it: on mesh ``(dp, tp)`` with ``(_StridedShard(0, 2),
     Shard(0))`` the rank at ``(d, t)`` holds piece ``d`` of tp chunk ``t`` -- so an all-gather
     over dp gives back exactly the tensor-parallel shard -- where ``(Shard(0), Shard(0))``
@@ -108,9 +113,10 @@ class _StridedShard(Shard):
                              f"got {self.split_factor!r}")
 
     def __repr__(self) -> str:
-        return f"_S({self.dim},{self.split_factor})"
+        return f"_StridedShard(dim={self.dim}, sf={self.split_factor})"
 
-    __str__ = __repr__
+    def __str__(self) -> str:
+        return f"_S({self.dim}, {self.split_factor})"
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -118,9 +124,10 @@ class Replicate(Placement):
     """Every rank along the mesh axis holds the whole value."""
 
     def __repr__(self) -> str:
-        return "R"
+        return "Replicate()"
 
-    __str__ = __repr__
+    def __str__(self) -> str:
+        return "R"
 
     def is_replicate(self) -> bool:
         return True
@@ -149,9 +156,10 @@ class Partial(Placement):
                              f"{sorted(_C10D_OPS)}, got {self.reduce_op!r}")
 
     def __repr__(self) -> str:
-        return f"P({self.reduce_op})"
+        return f"Partial({self.reduce_op})"
 
-    __str__ = __repr__
+    def __str__(self) -> str:
+        return f"P({self.reduce_op})"
 
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or reduce_op == self.reduce_op
@@ -196,10 +204,10 @@ class _NormPartial(Partial):
     norm_type: float = 2.0
 
     def __repr__(self) -> str:
-        p = self.norm_type
-        return f"P(norm{int(p) if float(p).is_integer() else p})"
+        return f"_NormPartial({self.norm_type})"
 
-    __str__ = __repr__
+    def __str__(self) -> str:
+        return f"_NormP({self.norm_type})"
 
     @property
     def is_linear(self) -> bool:

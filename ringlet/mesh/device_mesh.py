@@ -25,6 +25,7 @@ from typing import Any, Self
 
 import torch
 
+from ringlet import _env
 from ringlet.c10d import world as _world
 from ringlet.c10d.group import ProcessGroup
 from ringlet.mesh import _registry
@@ -234,7 +235,8 @@ class DeviceMesh:
 
     def _submesh(self, axes: list[Axes], names: tuple[str, ...]) -> DeviceMesh:
         if self._coord is None:
-            raise ValueError(f"DeviceMesh[...]: rank {self._world_rank} is not part of {self!r}")
+            raise ValueError(f"DeviceMesh[...]: rank {self._world_rank} is not part of {self!r} "
+                             f"(ranks {self._ranks_list})")
         chosen = [a for group in axes for a in group]
         index = tuple(slice(None) if a in chosen else self._coord[a] for a in range(self.ndim))
         kept = sorted(chosen)
@@ -296,8 +298,36 @@ class DeviceMesh:
         return self._hash
 
     def __repr__(self) -> str:
-        names = f", names={self._names}" if self._names else ""
-        return f"DeviceMesh({self._device_type}, {self._mesh.tolist()}{names})"
+        """As torch prints a mesh: ``DeviceMesh((dp=2, tp=4), 'cpu', stride=(4, 1))``, the ranks
+        added under ``RINGLET_DEBUG=DETAIL`` (``..., Mesh: [[0, 1, 2, 3], [4, 5, 6, 7]])``)."""
+        shape = self.shape
+        dims = (f"({', '.join(f'{n}={s}' for n, s in zip(self._names, shape))})"
+                if self._names else str(shape))
+        text = f"DeviceMesh({dims}, '{self._device_type}', stride={self._layout_strides()}"
+        if _debug_detail():
+            text += f", Mesh: {self._ranks_list}"
+        return text + ")"
+
+    def _layout_strides(self) -> tuple[Any, ...]:
+        """Each axis's step between neighbouring positions in the root mesh (row-major, as
+        torch's mesh layout counts them): one number, or a tuple of one per root axis where a
+        flattened axis's root axes do not merge into one step; an axis of size 1 has ``()``."""
+        root_shape = self._root.shape
+        steps = [math.prod(root_shape[a + 1:]) for a in range(len(root_shape))]
+        out: list[Any] = []
+        for group in self._axes:
+            modes: list[tuple[int, int]] = []          # (size, step), size-1 axes left out
+            for a in group:
+                size, step = root_shape[a], steps[a]
+                if size == 1:
+                    continue
+                if modes and modes[-1][1] == size * step:
+                    modes[-1] = (modes[-1][0] * size, step)
+                else:
+                    modes.append((size, step))
+            strides = tuple(step for _, step in modes)
+            out.append(strides[0] if len(strides) == 1 else strides)
+        return tuple(out)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # [Note: DTensor pickling] lives in ringlet/dtensor/_api.py; a mesh travels as its layout.
@@ -312,6 +342,13 @@ class DeviceMesh:
 
 _CURRENT: contextvars.ContextVar[tuple[DeviceMesh, ...]] = contextvars.ContextVar(
     "ringlet_current_mesh", default=())
+
+
+def _debug_detail() -> bool:
+    try:
+        return _env.debug_level() == "DETAIL"
+    except ValueError:          # a bad RINGLET_DEBUG is reported where it matters, not in a repr
+        return False
 
 
 def current_mesh() -> DeviceMesh | None:

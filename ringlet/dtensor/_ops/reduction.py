@@ -40,7 +40,9 @@ def _dims(call: OpCall, ndim: int) -> list[int]:
 
 def _norm_type(bound: dict[str, Any]) -> float:
     p = bound.get("ord", bound.get("p"))
-    return 2.0 if p is None else float(p)
+    if p is None:
+        return 2                    # torch's default order, printed as torch prints it
+    return p if type(p) is int else float(p)      # the number as given: _NormPartial(2) or (2.0)
 
 
 def _partial_for(kind: str | None, norm_type: float) -> Partial | None:
