@@ -31,6 +31,8 @@ def print_header(write: Callable[[str], None], cfg: Any, par: Any, data: Any, st
           + (f", {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else "")
           + f"), {cfg.steps} steps"
           + (f", resuming after step {start}" if start else ""))
+    if (note := par.layout.shards_nothing()) is not None:
+        write(note)
 
 
 def finish(cfg: Any, par: Any, history: dict[str, Any], totals: list[Window], sample: str,

@@ -65,6 +65,20 @@ class Layout:
             return (self.tp,), ("tp",)
         return (self.shard,), ("dp",)
 
+    def shards_nothing(self) -> str | None:
+        """One line when a sharding strategy's layout leaves nothing to shard, else None."""
+        if self.strategy not in ("fsdp", "hsdp", "fsdp+tp") or self.shard > 1:
+            return None
+        ranks = self.replicate * self.shard * self.tp
+        if self.strategy == "hsdp":
+            return (f"note: hsdp on {ranks} ranks shards nothing (replicate={self.replicate} x "
+                    "shard=1: every rank holds the whole model, as with ddp); shard over all "
+                    f"with --replicate 1, or use 4 ranks for replicate=2 x shard=2")
+        if self.strategy == "fsdp+tp":
+            return (f"note: fsdp+tp on {ranks} ranks shards nothing over dp (dp=1: tensor "
+                    "parallelism alone splits the model); use 4 ranks for dp=2 x tp=2")
+        return "note: fsdp on 1 rank shards nothing (start 2 or more ranks)"
+
     def __str__(self) -> str:
         shape, names = self.mesh_shape()
         return " x ".join(f"{n}={s}" for n, s in zip(names, shape, strict=True))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 import ringlet.distributed as dist
 
-from . import checkpoint, report
+from . import checkpoint, report, resume
 from .data import TextData
 from .model import GPT, GPTConfig, generate
 from .observe import Progress, StepMeter, breakdown_table, gather_windows, peak_rss_mib, state_mib
@@ -161,25 +162,50 @@ def build(cfg: TrainConfig) -> tuple[Parallel, torch.optim.Optimizer, TextData]:
     return par, opt, data
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train; returns the history (losses per step, evaluations, per-rank time totals)."""
+def train(cfg: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Train; returns the history (losses per step, evaluations, per-rank time totals).
+
+    Raises ``resume.RunRefused`` on every rank, before anything is written, when ``--out`` holds
+    a checkpoint that ``--resume`` and ``--steps`` do not fit (see ``resume.py``).  ``argv``, the
+    command line (``sys.argv``), gives the resume command printed if the run stops early.
+    """
+    path = resume.start_point(cfg)
     par, opt, data = build(cfg)
     rank = dist.get_rank()
     history: dict[str, Any] = {"train_loss": [], "val": []}
     start = 0
-    if cfg.resume and (path := checkpoint.latest(cfg.out)) is not None:
+    if path is not None:
         state = checkpoint.load(path, par.model, opt)
         start, history = state["step"], state["history"]
-    tokens_per_step = cfg.batch_size * cfg.block_size
-    progress = Progress(cfg.steps, start, tokens_per_step, cfg.progress, cfg.log_every,
-                        enabled=rank == 0)
+    progress = Progress(cfg.steps, start, cfg.batch_size * cfg.block_size, cfg.progress,
+                        cfg.log_every, enabled=rank == 0)
     if rank == 0:
         report.print_header(progress.write, cfg, par, data, start)
-    if start == 0:
-        history["val"].append([0, evaluate(par, data, cfg)])
-        progress.write(f"step 0: validation loss {history['val'][-1][1]:.4f} (untrained)")
-    meter, pending = StepMeter(), []
+    meter = StepMeter()
     t_run = time.perf_counter()
+    try:
+        with resume.report_stop(cfg, argv):
+            if start == 0:
+                history["val"].append([0, evaluate(par, data, cfg)])
+                progress.write(f"step 0: validation loss {history['val'][-1][1]:.4f} (untrained)")
+            _loop(par, opt, data, cfg, start, history, progress, meter)
+    finally:
+        progress.close()
+    meter.take_window()
+    meter.total.rss_mib, meter.total.state_mib = peak_rss_mib(), state_mib(par.model, opt)
+    totals = gather_windows(meter.total)
+    history["wall_s"] = time.perf_counter() - t_run
+    history["layout"] = str(par.layout)
+    text = _sample(par, data, cfg)
+    if rank == 0:
+        report.finish(cfg, par, history, totals, text, start)
+    return history
+
+
+def _loop(par: Parallel, opt: torch.optim.Optimizer, data: TextData, cfg: TrainConfig, start: int,
+          history: dict[str, Any], progress: Progress, meter: StepMeter) -> None:
+    """Steps ``start`` to ``cfg.steps``: logging, evaluation, breakdowns and checkpoints."""
+    pending: list[float] = []
     for step in range(start, cfg.steps):
         meter.start()
         pending.append(train_step(par, opt, data, cfg, step, meter))
@@ -204,16 +230,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             path = checkpoint.save(cfg.out, done, par.model, opt,
                                    {"config": asdict(cfg), "history": history})
             progress.write(f"step {done}: checkpoint {path}")
-    progress.close()
-    meter.take_window()
-    meter.total.rss_mib, meter.total.state_mib = peak_rss_mib(), state_mib(par.model, opt)
-    totals = gather_windows(meter.total)
-    history["wall_s"] = time.perf_counter() - t_run
-    history["layout"] = str(par.layout)
-    text = _sample(par, data, cfg)
-    if rank == 0:
-        report.finish(cfg, par, history, totals, text, start)
-    return history
 
 
 def _sample(par: Parallel, data: TextData, cfg: TrainConfig) -> str:
