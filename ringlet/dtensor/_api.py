@@ -317,7 +317,9 @@ def wrap_local(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Place
         gshape = [int(s) for s in shape]
     gstride = tuple(stride) if stride is not None else _shard_math.strides_like(local, gshape)
     spec = DTensorSpec(mesh, pls, tuple(gshape), gstride)
-    if run_check:
+    if mesh.get_coordinate() is None:     # [Note: ranks outside the mesh] in ``_outside``
+        local = local.new_empty(0, requires_grad=local.requires_grad)
+    elif run_check:
         local = _check_local(local, spec)
     grad_pls = _grad_placements(pls) if grad_placements is None else normalize_placements(
         grad_placements, mesh, len(gshape), "DTensor.from_local")
@@ -429,9 +431,11 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
                              f"{mesh!r} with {list(pls)}, got {tensor!r} on "
                              f"{tensor.device_mesh!r}; use redistribute")
         return tensor
+    spec = DTensorSpec(mesh, pls, tuple(tensor.shape), _shard_math.contiguous_strides(tensor.shape))
     coord = mesh.get_coordinate()
-    if coord is None:
-        raise ValueError(f"distribute_tensor: rank {mesh.get_rank()} is not part of {mesh!r}")
+    if coord is None:            # torch's placeholder ([Note: ranks outside the mesh])
+        local = on_mesh_device(tensor.detach().new_empty(0), mesh)
+        return DTensor(local, spec, requires_grad=tensor.requires_grad)
     local = on_mesh_device(tensor.detach(), mesh)
     fresh = local.device != tensor.device     # local is a buffer of our own (a copy, a broadcast)
     if src_data_rank is not None and not local.is_meta:   # meta: no data to agree on
@@ -452,7 +456,6 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
             local = p.partition(local, coord[axis])
     if not fresh:
         local = local.clone(memory_format=torch.contiguous_format)
-    spec = DTensorSpec(mesh, pls, tuple(tensor.shape), _shard_math.contiguous_strides(tensor.shape))
     return DTensor(local, spec, requires_grad=tensor.requires_grad)
 
 

@@ -17,6 +17,7 @@ from ringlet.dtensor import _shard_math
 from ringlet.dtensor._api import DTensor, resolve_lazy
 from ringlet.dtensor._opcall import OpCall
 from ringlet.dtensor._ops import family_rule
+from ringlet.dtensor._outside import outside_result
 from ringlet.dtensor._plan import (
     FLOAT_BLIND,
     LOCAL,
@@ -73,6 +74,9 @@ def decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     plan = rule(call)
     _check_strided(call, plan)
     written = call.written_positions()
+    if call.mesh.get_coordinate() is None:      # [Note: ranks outside the mesh] in ``_outside``
+        back = _written_results(call) if written and _returns_written(func) else None
+        return outside_result(call, plan, back)
     flat = list(call.flat)
     moves: list[tuple[int, Any, Any, Any]] = []
     for k, (pos, d) in enumerate(zip(call.positions, call.dts)):

@@ -7,6 +7,9 @@ rank's piece, so a DTensor drawn after ``torch.manual_seed(s)`` holds the same v
 ``torch.randn(size)`` after the same seed on one process, whatever the placements (at
 the cost of drawing the full tensor on every rank).  A ``Partial`` axis holds the value on
 coordinate 0 and zeros elsewhere (``sum``), so the global value is what was asked for.
+
+On a rank outside the mesh a factory returns a DTensor of the global shape whose local
+tensor is empty (torch's placeholder; [Note: ranks outside the mesh] in ``_outside.py``).
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ def _build(op: str, size: tuple[int, ...], make: Callable[[list[int]], torch.Ten
     mesh = device_mesh if device_mesh is not None else default_mesh()
     pls = normalize_placements(placements, mesh, len(size), op)
     coord = mesh.get_coordinate()
-    if coord is None:
-        raise ValueError(f"{op}: rank {mesh.get_rank()} is not part of {mesh!r}")
+    spec = DTensorSpec(mesh, pls, size, _shard_math.contiguous_strides(size))
+    if coord is None:                       # [Note: ranks outside the mesh] in ``_outside``
+        if whole:
+            make(list(size))                # keeps the default generator in step everywhere
+        return DTensor(make([0]), spec, requires_grad=requires_grad)   # as torch: shape (0,)
     if whole:                               # draw everything, keep my piece (see module docstring)
         local = make(list(size))
         for axis, p in enumerate(pls):
@@ -56,7 +62,6 @@ def _build(op: str, size: tuple[int, ...], make: Callable[[list[int]], torch.Ten
     for axis, p in enumerate(pls):
         if isinstance(p, Partial):
             local = p.partition(local, coord[axis])
-    spec = DTensorSpec(mesh, pls, size, _shard_math.contiguous_strides(size))
     return DTensor(local, spec, requires_grad=requires_grad)
 
 

@@ -123,8 +123,8 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: Placements, d
     if tuple(src) == tuple(dst):
         return local
     coord = mesh.get_coordinate()
-    if coord is None:
-        raise ValueError(f"redistribute: rank {mesh.get_rank()} is not part of {mesh!r}")
+    if coord is None:       # an empty placeholder: nothing to move ([Note: ranks outside the mesh])
+        return local
     cur = list(src)
     strided_src = [a for a in _shard_math.shard_order(cur) if _strided(cur[a])]
     for axis in reversed(strided_src):           # [Note: strided shards]
