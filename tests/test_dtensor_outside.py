@@ -18,7 +18,9 @@ from ringlet.testing.procs import run_world
 M03, M013 = [0, 3], [0, 1, 3]
 
 
-def _check(rank: int, got: dict[str, Any]) -> None:
+def _check(rank: int, got: dict[str, Any], rng: bool = True) -> None:
+    """``rng``: the ranks drew from generators of their own (processes), so the drawn values can
+    be checked; rank threads share one generator, and only the layout is checked then."""
     def local(key: str, mesh: list[int], member: Any) -> None:
         want = member if rank in mesh else []
         assert got[key][4] == want, (rank, key, got[key])
@@ -36,7 +38,10 @@ def _check(rank: int, got: dict[str, Any]) -> None:
     assert got["full"][3] == "torch.int64"
     local("full", M03, [7] * (4 if rank == 0 else 2))
     assert got["empty"] == ((6,), (2,) if rank in M013 else (0,), True)
-    local("rand", M03, [] if at03 is None else drawn.chunk(2)[at03].tolist())
+    if rng:
+        local("rand", M03, [] if at03 is None else drawn.chunk(2)[at03].tolist())
+    else:
+        assert got["rand"][2] == ((3,) if rank == 0 else (2,) if rank == 3 else (0,)), got["rand"]
     assert got["randn"][:2] == ((2, 2), ("Partial(sum)",))
     assert got["b"][:2] == ((4, 2), ("Shard(dim=0)",))
     local("b", M03, [3.0] * 4)
@@ -70,8 +75,9 @@ def _in_step(results: list[dict[str, Any]]) -> None:
 def test_sub_mesh_dtensors_on_every_rank_of_four_threads() -> None:
     got = run_threads(ow.factories_then_ops, 4, op_timeout=30.0)
     for rank, res in enumerate(got):
-        _check(rank, res)
-    _in_step(got)
+        _check(rank, res, rng=False)
+    # no _in_step here: rank threads share the process's one generator, so which thread draws
+    # which numbers depends on scheduling; the processes test checks the generator
 
 
 @pytest.mark.timeout(120)

@@ -548,8 +548,10 @@ if os.fork() == 0:
         os.execv(sys.executable, [sys.executable, "-c", sleeper, f"{out}/daemon{rank}"])
     os._exit(0)
 os.wait()
+# every descendant exists before any rank ends (rank 1 failing first must not beat rank 0's
+# children to their pid files: the launcher would end them unseen)
 deadline = time.time() + 20
-while (not all(os.path.exists(f"{out}/{k}{rank}") for k in ("setsid", "daemon"))
+while (not all(os.path.exists(f"{out}/{k}{r}") for k in ("setsid", "daemon") for r in "01")
        and time.time() < deadline):
     time.sleep(0.01)
 sys.exit(int(sys.argv[2]) if rank == "1" else 0)
