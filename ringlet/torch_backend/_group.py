@@ -275,13 +275,11 @@ class RingletProcessGroup(tdist.ProcessGroup):
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> tdist._Work:
         t, g = _one(tensors, "recv_anysource"), self.ringlet_group
-        w = QueuedWork(rc.irecv(t, group=g, tag=tag), [t], g.ranks)
-        if self._coalescing is not None:
-            self._coalescing.append(w)
-        return w
+        return self._p2p(rc.irecv(t, group=g, tag=tag), [t], g.ranks)
 
-    def _p2p(self, rwork: Any, outputs: list[torch.Tensor]) -> tdist._Work:
-        w = QueuedWork(rwork, outputs)
+    def _p2p(self, rwork: Any, outputs: list[torch.Tensor],
+             ranks: list[int] | None = None) -> tdist._Work:
+        w = QueuedWork(rwork, outputs, ranks)
         if self._coalescing is not None:
             self._coalescing.append(w)
         return w
