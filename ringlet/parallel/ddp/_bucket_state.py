@@ -75,7 +75,7 @@ class Bucket:
             self.own()
         self.buffer: torch.Tensor | None = self._own  # what this iteration reduces
         self.adopted = False                          # solo: buffer is the gradient itself
-        self.pending = len(plan.indices)              # members whose gradient is not in yet
+        self._pending = len(plan.indices)             # members not counted in yet (arrive/mark)
         self.launched = False
         # Work (plain all-reduce) or Future (comm hook)
         self.handle: Any = None
@@ -103,10 +103,46 @@ class Bucket:
         self.adopted = False
         return self.buffer
 
+    @property
+    def pending(self) -> int:
+        """Members not yet counted in this iteration (by :meth:`arrive` or :meth:`mark_unused`)."""
+        return self._pending
+
+    @property
+    def ready(self) -> bool:
+        """Every member is counted in: the bucket can be reduced."""
+        return self._pending == 0
+
+    def arrive(self) -> bool:
+        """Count in a member whose gradient is now in the bucket; True if it was the last one.
+
+        Raises:
+            AssertionError: every member was already counted in this iteration.
+        """
+        return self._count_in("a gradient")
+
+    def mark_unused(self) -> bool:
+        """Count in a member that gets no gradient in this backward (what its ``.grad`` holds
+        was put into its slot instead); True if it was the last one.
+
+        Raises:
+            AssertionError: every member was already counted in this iteration.
+        """
+        return self._count_in("an unused mark")
+
+    def _count_in(self, what: str) -> bool:
+        if self._pending <= 0:
+            raise AssertionError(f"DDP: bucket {self.index} expected at most "
+                                 f"{len(self.plan.indices)} members counted in, got {what} after "
+                                 "all of them")
+        self._pending -= 1
+        return self._pending == 0
+
     def reset(self) -> None:
+        """Forget this iteration: no member counted in, nothing launched, own buffer again."""
         self.buffer = self._own
         self.adopted = False
-        self.pending = len(self.plan.indices)
+        self._pending = len(self.plan.indices)
         self.launched = False
         self.handle = None
 

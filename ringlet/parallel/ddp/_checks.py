@@ -7,6 +7,8 @@
 - :func:`broadcast_coalesced` copies rank ``src``'s tensors to every rank, packed into one flat
   buffer per dtype (and per ``cap_bytes``) so that a model with hundreds of small tensors costs
   a few collectives, not hundreds.
+- :func:`live_buffers` and :func:`swap_buffers`: the module's buffers as they are now, and
+  putting broadcast replacements in their place (DDP's buffer syncs).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 
 from ringlet.c10d import all_gather_object, broadcast
 
-__all__ = ["broadcast_coalesced", "describe", "first_difference", "verify_same_model"]
+__all__ = ["broadcast_coalesced", "describe", "first_difference", "live_buffers", "swap_buffers",
+           "verify_same_model"]
 
 Entry = tuple[str, str, tuple[int, ...], str]    # (kind, name, shape, dtype)
 
@@ -137,3 +140,30 @@ def _packs(ts: list[torch.Tensor], keys: list[int], cap_bytes: int) -> list[list
         packs[-1].append(k)
         size += nbytes
     return packs
+
+
+def live_buffers(slots: Sequence[tuple[str, torch.nn.Module, str]]
+                 ) -> list[tuple[str, torch.Tensor]]:
+    """The buffers now held at ``slots`` (fully-qualified name, module, attribute), each tensor
+    once, as ``named_buffers`` lists them (``module.to()`` may have replaced the tensors)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for fqn, mod, name in slots:
+        b = mod._buffers.get(name)
+        if b is not None and id(b) not in seen:
+            seen.add(id(b))
+            out.append((fqn, b))
+    return out
+
+
+def swap_buffers(module: torch.nn.Module, old: Sequence[torch.Tensor],
+                 new: Sequence[torch.Tensor]) -> None:
+    """Register ``new[k]`` wherever ``module`` holds ``old[k]`` as a buffer (where they differ:
+    ``broadcast_coalesced(..., replace=True)`` returned a new tensor)."""
+    swaps = {id(o): t for o, t in zip(old, new) if t is not o}
+    if not swaps:
+        return
+    for mod in module.modules():
+        for name, b in mod._buffers.items():
+            if b is not None and id(b) in swaps:
+                mod._buffers[name] = swaps[id(b)]

@@ -16,8 +16,13 @@ world size, or by the number of active ranks (``divide_by_initial_world_size=Fal
 every rank has joined, :meth:`DDPJoinHook.post_hook` broadcasts the parameters and buffers of
 the last rank to join, so all ranks end with the same model.
 
-``divide_by_initial_world_size`` has one owner, the model's ``_divide_by_initial_world_size``
-(torch's attribute, set by the hook); the reducer receives it with each iteration's backward.
+The hook uses the model only through its documented interface: ``process_group``, ``device``,
+``broadcast_buffers``, :meth:`~DistributedDataParallel.sync_buffers`,
+:meth:`~DistributedDataParallel.sync_parameters_and_buffers` and the reducer's public methods
+(``rebuild_pending``, ``rebuild_buckets``, ``shadow_backward``, ``annotate``).
+``divide_by_initial_world_size`` comes with ``join_hook(**kwargs)``: the model keeps it for its
+active iterations (torch's attribute ``_divide_by_initial_world_size``, which the reducer receives
+with each backward) and the hook for the iterations it shadows.
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ringlet.c10d import ReduceOp, all_reduce
-from ringlet.parallel.ddp import _checks
 from ringlet.parallel.ddp._cuda import aux_device
 from ringlet.parallel.join import Join, Joinable, JoinHook
 
@@ -42,7 +46,7 @@ class DDPJoinHook(JoinHook):
 
     def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
         self.ddp = ddp
-        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        self.divide_by_initial_world_size = divide_by_initial_world_size
 
     def main_hook(self) -> None:
         """Shadow one training iteration of the active ranks with zero gradients."""
@@ -51,9 +55,9 @@ class DDPJoinHook(JoinHook):
         if rebuild:
             ddp.reducer.rebuild_buckets(src)
         if sync and ddp.broadcast_buffers:
-            ddp._sync_buffers(src, "joined rank's buffer broadcast")
+            ddp.sync_buffers(src, "joined rank's buffer broadcast")
         if sync:
-            ddp.reducer.shadow_backward(ddp._divide_by_initial_world_size)
+            ddp.reducer.shadow_backward(self.divide_by_initial_world_size)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Make every rank's final parameters and buffers those of the last joiner."""
@@ -63,8 +67,7 @@ class DDPJoinHook(JoinHook):
                            device=aux_device(pg, ddp.device))
         with ddp.reducer.annotate("final model sync after Join"):
             all_reduce(src, op=ReduceOp.MAX, group=pg)
-            buffers = [b for _, b in ddp._named_buffers()]
-            _checks.broadcast_coalesced(ddp._all_params + buffers, pg, int(src.item()))
+        ddp.sync_parameters_and_buffers(int(src.item()), "final model sync after Join")
 
 
 def active_iteration(ddp: DistributedDataParallel, sync: bool) -> tuple[Any, bool, int, bool]:

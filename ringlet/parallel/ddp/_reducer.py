@@ -192,9 +192,7 @@ class Reducer:
         self.times = {"backward_start": time.perf_counter_ns()}
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         for i in self._known_unused():
-            self._premarked[i] = True
-            self.layout.contribute_held(i)
-            self.layout.bucket_of(i).pending -= 1
+            self._mark_unused(i)
         if not self._deferred():
             self._launch_ready()
 
@@ -228,9 +226,15 @@ class Reducer:
         if self._recording:
             self.observed.append(i)
         self.layout.copy_in(i, param)
-        bucket.pending -= 1
-        if bucket.pending == 0 and not self._deferred():
+        if bucket.arrive() and not self._deferred():
             self._launch_ready()
+
+    def _mark_unused(self, i: int) -> None:
+        """Parameter ``i`` gets no gradient in this backward: its slot takes what ``.grad``
+        holds ([Note: slots of unused parameters]) and it counts as in."""
+        self._premarked[i] = True
+        self.layout.contribute_held(i)
+        self.layout.bucket_of(i).mark_unused()
 
     def _ready_again(self, i: int, bucket: Bucket) -> None:
         """A gradient arrived for a parameter already counted (reused, or thought unused)."""
@@ -249,7 +253,7 @@ class Reducer:
     # -- launching -----------------------------------------------------------------------------
     def _launch_ready(self) -> None:
         buckets = self.layout.buckets
-        while self._next < len(buckets) and buckets[self._next].pending == 0:
+        while self._next < len(buckets) and buckets[self._next].ready:
             self._launch(buckets[self._next])
             self._next += 1
 
@@ -291,6 +295,13 @@ class Reducer:
         if self._premul is None:                     # one object, built once (it is immutable)
             self._premul = _make_nccl_premul_sum(1.0 / self.pg.size())
         return self._premul
+
+    def enable_static_graph(self) -> None:
+        """Treat the graph as static from now on (``DDP._set_static_graph``, before the first
+        iteration): learn each parameter's hook count in the first reduction, rebuild once."""
+        self.static_graph = True
+        self._record = True
+        self._recording = self.reductions == 0
 
     # -- bucket rebuild --------------------------------------------------------------------------
     def rebuild_pending(self) -> bool:
@@ -359,9 +370,7 @@ class Reducer:
         done_bytes = sum(b.plan.nbytes for b in buckets if b.is_done())
         for i in range(len(self.params)):
             if not self._fired[i] and not self._premarked[i]:
-                self._premarked[i] = True            # no gradient this backward: what .grad holds
-                self.layout.contribute_held(i)
-                self.layout.bucket_of(i).pending -= 1
+                self._mark_unused(i)                 # no gradient this backward: what .grad holds
         self._launch_ready()
         self.used_last = [f or u for f, u in zip(self._fired, self._used_since_sync)]
         local = torch.tensor([_USED if u else _NOT_USED for u in self.used_last], dtype=torch.uint8,

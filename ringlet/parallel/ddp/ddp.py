@@ -210,40 +210,37 @@ class DistributedDataParallel(nn.Module, Joinable):
             reducer.rebuild_buckets(src)
         self.require_forward_param_sync = sync
         if sync and self.broadcast_buffers:
-            self._sync_buffers(src, "buffer broadcast before forward")
+            self.sync_buffers(src, "buffer broadcast before forward")
         return join_work
 
     def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """The module's buffers (each tensor once, as ``named_buffers``), read afresh."""
-        out: list[tuple[str, torch.Tensor]] = []
-        seen: set[int] = set()
-        for fqn, mod, name in self._buffer_slots:
-            b = mod._buffers.get(name)
-            if b is not None and id(b) not in seen:
-                seen.add(id(b))
-                out.append((fqn, b))
-        return out
+        return _checks.live_buffers(self._buffer_slots)
 
-    def _sync_buffers(self, src: int, what: str) -> None:
-        """Broadcast the buffers from group rank ``src``.
+    def sync_buffers(self, src: int, what: str = "buffer broadcast") -> None:
+        """Broadcast the module's buffers from group rank ``src`` (every rank of the group calls
+        it; ``what`` names the step in errors).  DDP calls it before a synchronised forward, and
+        Join's hook on a rank that ran out of data, so that the ranks' collectives match.
 
         A second forward before backward (the GAN pattern: D(real), D(fake), one backward) must
         not overwrite buffers that the first forward's graph saved (BatchNorm saves its running
         statistics): then receiving ranks get new buffer tensors instead.
         """
-        named = self._named_buffers()
-        if not named:
+        old = [b for _, b in self._named_buffers()]
+        if not old:
             return
         replace = self.reducer.phase is Phase.PREPARED
-        old = [b for _, b in named]
         with self.reducer.annotate(what):
             new = _checks.broadcast_coalesced(old, self.process_group, src, replace=replace)
-        swaps = {id(o): t for o, t in zip(old, new) if t is not o}
-        if swaps:
-            for mod in self.module.modules():
-                for name, b in mod._buffers.items():
-                    if b is not None and id(b) in swaps:
-                        mod._buffers[name] = swaps[id(b)]
+        _checks.swap_buffers(self.module, old, new)
+
+    def sync_parameters_and_buffers(self, src: int, what: str = "model broadcast") -> None:
+        """Broadcast every parameter and buffer from group rank ``src`` (every rank of the group
+        calls it; ``what`` names the step in errors).  Join's hook calls it when all ranks have
+        joined, so that they end with the last joiner's model."""
+        buffers = [b for _, b in self._named_buffers()]
+        with self.reducer.annotate(what):
+            _checks.broadcast_coalesced(self._all_params + buffers, self.process_group, src)
 
     # -- gradient accumulation -----------------------------------------------------------------
     @contextlib.contextmanager
@@ -318,9 +315,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                                       "constructed (expected no iteration yet, got "
                                       f"{self._logging.forwards} forwards on rank "
                                       f"{self.process_group.rank()})")
-        self.static_graph = self.reducer.static_graph = True
-        self.reducer._record = True
-        self.reducer._recording = self.reducer.reductions == 0
+        self.static_graph = True
+        self.reducer.enable_static_graph()
         self._logging.data["static_graph"] = 1
 
     def _raise(self, kind: type[Exception], message: str) -> None:
@@ -393,8 +389,13 @@ class DistributedDataParallel(nn.Module, Joinable):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> DDPJoinHook:
-        """The hook a :class:`Join` context runs for this model on a rank that ran out of data."""
-        return DDPJoinHook(self, bool(kwargs.get("divide_by_initial_world_size", True)))
+        """The hook a :class:`Join` context runs for this model on a rank that ran out of data.
+
+        ``divide_by_initial_world_size`` (default True) applies to this model's iterations from
+        now on, on active ranks and in the hook alike."""
+        divide = bool(kwargs.get("divide_by_initial_world_size", True))
+        self._divide_by_initial_world_size = divide
+        return DDPJoinHook(self, divide)
 
     @property
     def join_device(self) -> torch.device:
