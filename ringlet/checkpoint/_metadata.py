@@ -1,9 +1,12 @@
-"""The checkpoint's metadata: what ``metadata.json`` holds, and its strict parser.
+"""The checkpoint's metadata: what ``metadata.json`` holds, its one writer and its strict parser.
 
-Everything a loader trusts comes from here, so parsing checks every field (types,
-ranges, byte counts, file names that cannot leave the directory, chunks that tile
-each tensor exactly) before anything is opened or allocated.  The format is described
-in docs/checkpoint.md.
+The schema lives here alone: :meth:`Metadata.to_json_bytes` is the only code that writes
+``metadata.json`` (``save`` builds a :class:`Metadata` and calls it), and the parser reads it
+back, choosing by the document's ``version`` (``_PARSERS``: one function per format version,
+so that a later format adds a parser and keeps reading the old one).  Everything a loader
+trusts comes from here, so parsing checks every field (types, ranges, byte counts, file names
+that cannot leave the directory, chunks that tile each tensor exactly) before anything is
+opened or allocated.  The format is described in docs/checkpoint.md.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -126,6 +130,8 @@ class Metadata:
     values: dict[str, tuple[Path, Any]]   # key -> (path, JSON-encoded value)
 
     def to_json_bytes(self) -> bytes:
+        """The ``metadata.json`` of this checkpoint, in the current format version: compact
+        UTF-8 JSON, fields in the order of the dicts (the order ``save`` wrote them)."""
         doc = {"format": FORMAT, "version": VERSION, "save_id": self.save_id,
                "world_size": self.world_size,
                "checksum": {"algorithm": "crc32", "block_bytes": BLOCK_BYTES},
@@ -181,11 +187,19 @@ def _path(v: Any, key: str) -> Path:
 
 
 def _parse(doc: Any) -> Metadata:
+    """Check the format's name, then hand ``doc`` to the parser of its version."""
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"format: expected {FORMAT!r}")
-    if doc.get("version") != VERSION:
-        raise ValueError(f"version: expected {VERSION}, got "
-                         f"{doc.get('version')!r:.40} (a newer ringlet?)")
+    version = doc.get("version")
+    parse = _PARSERS.get(version) if type(version) is int else None
+    if parse is None:
+        known = " or ".join(str(v) for v in sorted(_PARSERS))
+        raise ValueError(f"version: expected {known}, got {version!r:.40} (a newer ringlet?)")
+    return parse(doc)
+
+
+def _parse_v1(doc: dict[str, Any]) -> Metadata:
+    """Format version 1 (written by :meth:`Metadata.to_json_bytes`)."""
     ck = doc.get("checksum")
     if ck != {"algorithm": "crc32", "block_bytes": BLOCK_BYTES}:
         raise ValueError(f"checksum: expected crc32 over {BLOCK_BYTES}-byte blocks, got {ck!r:.80}")
@@ -208,6 +222,10 @@ def _parse(doc: Any) -> Metadata:
                  + [(f"values[{k!r:.80}]", p) for k, (p, _) in values.items()])
     _check_byte_ranges(tensors)
     return Metadata(save_id, _int(doc["world_size"], "world_size", 1), files, tensors, values)
+
+
+# format version -> its parser; Metadata.to_json_bytes writes VERSION, which must be a key here
+_PARSERS: dict[int, Callable[[dict[str, Any]], Metadata]] = {1: _parse_v1}
 
 
 def _dict(doc: dict[str, Any], name: str) -> dict[str, Any]:

@@ -29,14 +29,7 @@ from ringlet.checkpoint._errors import CheckpointException
 from ringlet.checkpoint._flatten import encode_value, flatten
 from ringlet.checkpoint._geometry import Box
 from ringlet.checkpoint._local import save_piece
-from ringlet.checkpoint._metadata import (
-    BLOCK_BYTES,
-    FORMAT,
-    METADATA_FILE,
-    VERSION,
-    Metadata,
-    dtype_name,
-)
+from ringlet.checkpoint._metadata import METADATA_FILE, ChunkMeta, Metadata, TensorMeta, dtype_name
 from ringlet.checkpoint._planner import SavePlan, plan_save
 from ringlet.checkpoint._storage import DirLock, commit, remove_quietly, shard_name, write_shard
 from ringlet.checkpoint.filesystem import FileSystemWriter
@@ -145,21 +138,19 @@ def write(prep: Prepared, rank: int) -> dict[str, Any]:
                        for (key, _, _, _), c in zip(prep.items, chunks, strict=True)]}
 
 
-def _metadata_bytes(prep: Prepared, results: list[dict[str, Any]], world: int) -> bytes:
-    import json
-
-    chunks: dict[str, list[dict[str, Any]]] = {k: [] for k in prep.plan.tensors}
+def _metadata(prep: Prepared, results: list[dict[str, Any]], world: int) -> Metadata:
+    """The checkpoint the ranks' write records (``results[r]`` from rank ``r``) make up: files in
+    rank order, each tensor's chunks sorted by their offsets."""
+    chunks: dict[str, list[ChunkMeta]] = {k: [] for k in prep.plan.tensors}
     for res in results:
         for key, c in res["chunks"]:
-            chunks[key].append(c)
-    doc = {"format": FORMAT, "version": VERSION, "save_id": prep.save_id, "world_size": world,
-           "checksum": {"algorithm": "crc32", "block_bytes": BLOCK_BYTES},
-           "files": {r["file"]: {"bytes": r["bytes"]} for r in results if r["file"]},
-           "tensors": {k: {"path": list(t.path), "dtype": t.dtype, "shape": list(t.shape),
-                           "chunks": sorted(chunks[k], key=lambda c: c["offsets"])}
-                       for k, t in prep.plan.tensors.items()},
-           "values": {k: {"path": list(p), "value": v} for k, (p, v) in prep.plan.values.items()}}
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+            chunks[key].append(ChunkMeta(Box.of(c["offsets"], c["sizes"]), c["file"], c["begin"],
+                                         c["end"], tuple(c["crc32"])))
+    tensors = {k: TensorMeta(k, t.path, t.dtype, t.shape,
+                             tuple(sorted(chunks[k], key=lambda c: c.box.offsets)))
+               for k, t in prep.plan.tensors.items()}
+    return Metadata(prep.save_id, world, {r["file"]: r["bytes"] for r in results if r["file"]},
+                    tensors, dict(prep.plan.values))
 
 
 def finish(prep: Prepared, result: dict[str, Any], coord: Coordinator,
@@ -174,7 +165,7 @@ def finish(prep: Prepared, result: dict[str, Any], coord: Coordinator,
             if result["file"] and not result["error"]:
                 remove_quietly(prep.writer.path, result["file"])
             raise CheckpointException(op, failures)
-        raw = _metadata_bytes(prep, results, coord.size)
+        raw = _metadata(prep, results, coord.size).to_json_bytes()
         meta = Metadata.from_json_bytes(raw, "the metadata being saved")
         error = None
         if coord.rank == 0:
