@@ -46,7 +46,6 @@ def compiler_disable(fn: F) -> F:
         raise TypeError(f"compiler_disable: expected a callable, got {type(fn).__name__}")
     disabled: Callable[..., Any] | None = None
 
-    @functools.wraps(fn)
     def run_eagerly(*args: Any, **kwargs: Any) -> Any:
         nonlocal disabled
         if disabled is None:
@@ -55,6 +54,7 @@ def compiler_disable(fn: F) -> F:
             disabled = torch.compiler.disable(fn)
         return disabled(*args, **kwargs)
 
+    functools.update_wrapper(run_eagerly, fn)   # (not @wraps: its stub type has no __code__)
     # what dynamo reads on a disabled function (torch.compiler.disable sets the same)
     run_eagerly._torchdynamo_disable = True                 # type: ignore[attr-defined]
     run_eagerly._torchdynamo_disable_msg = None             # type: ignore[attr-defined]

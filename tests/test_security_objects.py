@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import io
 import re
+import warnings
 import zipfile
 
 import _security_objects_workers as W
@@ -126,6 +127,17 @@ def test_memory_the_payload_did_not_carry_is_capped(monkeypatch: pytest.MonkeyPa
         with pytest.raises(Exception, match=r"refuses the object from rank 1: its tensors hold "
                                             r"\d+ bytes, above the 8192-byte cap"):
             objects._decode(payload, 1, "broadcast_object_list")
+
+
+def test_a_typed_storage_counts_against_the_cap() -> None:
+    """A (legacy) TypedStorage in a decoded object counts its bytes like an UntypedStorage (the
+    check once called a method TypedStorage does not have, found by mypy)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)     # TypedStorage is deprecated
+        typed = torch.storage.TypedStorage(3000, dtype=torch.float32)
+    why = _restricted.check_tensors({"s": typed}, cap=8192)
+    assert why is not None and "hold 12000 bytes, above the 8192-byte cap" in why, why
+    assert _restricted.check_tensors([typed], cap=12000) is None
 
 
 def _plain_data_of_every_allowed_kind() -> dict[str, object]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ringlet.c10d import checks
-from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.group import GroupArg, ProcessGroup
 from ringlet.c10d.work import Work
 from ringlet.c10d.world import get_rank, resolve_group
 from ringlet.transport.base import OpContext
@@ -36,7 +36,7 @@ __all__ = ["flatten_tensors", "launch", "launch_p2p", "resolve"]
 flush_hooks: list[Callable[[ProcessGroup], None]] = []
 
 
-def resolve(group: Any, op: str, holdable: bool = False,
+def resolve(group: GroupArg, op: str, holdable: bool = False,
             quiet: bool = False) -> ProcessGroup | None:
     """The group of a call (None: this rank is not a member), with the argument checked.
 

@@ -112,7 +112,8 @@ class _Watch:
         w = self.w
         pids: dict[int, int] | None = w.__dict__.get("peer_pids")
         if pids is None:
-            pids = w.__dict__["peer_pids"] = {}
+            pids = {}
+            w.__dict__["peer_pids"] = pids
             for peer in range(w.world_size):
                 if w.hosts[peer] != w.hosts[w.rank]:
                     continue

@@ -42,12 +42,15 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ringlet.c10d.work import Work
 from ringlet.errors import DistBackendError
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import ProcessGroup
 
 __all__ = ["DEVICE_TYPES", "StreamAPI", "StreamWork", "api", "bind_device", "device_of", "issue",
            "issue_p2p", "serves", "staged"]
@@ -171,7 +174,8 @@ class StreamWork(Work):
         return f"Work({self._op}, queued on {self._device})"
 
 
-def issue(pg: Any, fn: Callable[[], None], ctx: Any, result: Any, async_op: bool, guard: bool,
+def issue(pg: ProcessGroup, fn: Callable[[], None], ctx: Any, result: Any, async_op: bool,
+          guard: bool,
           device: torch.device, inputs: Any = None) -> Work | None:
     """Run a stream-ordered collective on the caller's thread (see [Note: CUDA streams])."""
     if pg.detail_check is not None and pg._executor.pending:
@@ -187,7 +191,7 @@ def issue(pg: Any, fn: Callable[[], None], ctx: Any, result: Any, async_op: bool
     return work
 
 
-def issue_p2p(pg: Any, fn: Callable[[Work], None], ctx: Any, result: Any,
+def issue_p2p(pg: ProcessGroup, fn: Callable[[Work], None], ctx: Any, result: Any,
               device: torch.device) -> Work:
     """A stream-ordered send or receive (always asynchronous), on the caller's thread."""
     work = StreamWork(result, f"{ctx.op} peer {ctx.root}", pg.timeout, device,
@@ -196,7 +200,7 @@ def issue_p2p(pg: Any, fn: Callable[[Work], None], ctx: Any, result: Any,
     return work
 
 
-def _on_side_stream(pg: Any, call: Callable[[], None], work: StreamWork, guard: bool,
+def _on_side_stream(pg: ProcessGroup, call: Callable[[], None], work: StreamWork, guard: bool,
                     tensors: Any) -> None:
     """``call()`` with ``work``'s side stream current, after the caller's stream; then the
     event that ``work.wait()`` waits for, and the tensors kept from the caching allocator."""
@@ -209,7 +213,7 @@ def _on_side_stream(pg: Any, call: Callable[[], None], work: StreamWork, guard: 
         api.keep_alive(t, side)
 
 
-def staged(pg: Any, fn: Callable[..., None], device: torch.device) -> Callable[..., None]:
+def staged(pg: ProcessGroup, fn: Callable[..., None], device: torch.device) -> Callable[..., None]:
     """``fn`` (a host collective on copies of device tensors) ordered after the caller's stream.
 
     The event is recorded now, at issue; the returned callable may run later on the group's
@@ -252,7 +256,7 @@ def bind_device(device_id: Any, where: str) -> torch.device | None:
     return device
 
 
-def _drain(pg: Any) -> None:
+def _drain(pg: ProcessGroup) -> None:
     """Wait until the group's communication thread has run everything queued before now."""
     marker = Work(None, op="drain", bound=pg.timeout)
     pg._executor.submit(lambda: None, marker)

@@ -8,7 +8,7 @@ errors) can ask for the current world without importing ``world.py``, which buil
 from __future__ import annotations
 
 import contextvars
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 if TYPE_CHECKING:
     from ringlet.c10d.world import _World
@@ -21,6 +21,12 @@ _thread_world: contextvars.ContextVar[_World | None] = contextvars.ContextVar("r
 # ringlet.testing.run_threads sets this in each rank thread: worlds then live per thread
 _thread_mode: contextvars.ContextVar[bool] = contextvars.ContextVar("ringlet_thread_mode",
                                                                     default=False)
+
+
+@overload
+def current_world(required: Literal[True] = True) -> _World: ...
+@overload
+def current_world(required: bool) -> _World | None: ...
 
 
 def current_world(required: bool = True) -> _World | None:

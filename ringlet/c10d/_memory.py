@@ -138,7 +138,7 @@ def _inside_bytes_object(ptr: int, nbytes: int,
     hi = ptr // 8 * 8
     if hi - lo < _BYTES_HDR:
         return False
-    words = np.frombuffer((ctypes.c_char * (hi - lo)).from_address(lo), dtype=np.uint64)
+    words = np.frombuffer(memoryview((ctypes.c_char * (hi - lo)).from_address(lo)), dtype=np.uint64)
     objs = [lo + 8 * (int(i) - 1) for i in np.flatnonzero(words == id(bytes)) if i >= 1]
     objs.append(map_lo + 16)
     return any(_bytes_data_covers(o, map_lo, map_hi, ptr, nbytes) for o in objs)

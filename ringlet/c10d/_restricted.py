@@ -181,7 +181,7 @@ def check_tensors(obj: Any, cap: int | None = None) -> str | None:
             stack.extend(getattr(o, "__dict__", {}).values())
             continue
         if isinstance(o, torch.UntypedStorage | torch.storage.TypedStorage):
-            s = o if isinstance(o, torch.UntypedStorage) else o.untyped_storage()
+            s = o if isinstance(o, torch.UntypedStorage) else o.untyped()
             if s.device.type != "meta":
                 held[s.data_ptr()] = s.nbytes()
             continue
@@ -199,8 +199,9 @@ def _why_refused(err: BaseException) -> str:
                   r"documentation|$)", text)
     detail = (m.group(2) if m else text).strip()
     op = re.search(r"Unsupported operand (\d+)", detail)
-    if op and chr(int(op.group(1))) in pickletools.code2op:
-        detail += f" (opcode {pickletools.code2op[chr(int(op.group(1)))].name})"
+    names = {o.code: o.name for o in pickletools.opcodes}
+    if op and chr(int(op.group(1))) in names:
+        detail += f" (opcode {names[chr(int(op.group(1)))]})"
     return detail
 
 

@@ -11,12 +11,15 @@ back an ordinary tensor, so code that asks for buffers runs everywhere.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ringlet.c10d import _call, checks
 from ringlet.errors import DistBackendError
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import GroupArg, ProcessGroup
 
 __all__ = ["comm_buffer", "is_comm_buffer"]
 
@@ -31,7 +34,8 @@ def _shape(shape: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def comm_buffer(shape: Any, dtype: torch.dtype = torch.float32, group: Any = None) -> torch.Tensor:
+def comm_buffer(shape: Any, dtype: torch.dtype = torch.float32,
+                group: GroupArg = None) -> torch.Tensor:
     """An uninitialised tensor that ``group``'s collectives read and write in place.
 
     On shared-memory groups the tensor lives in the group's buffer heap: peers read it where it
@@ -82,7 +86,7 @@ def comm_buffer(shape: Any, dtype: torch.dtype = torch.float32, group: Any = Non
     return raw.view(dtype).view(dims)
 
 
-def _allocate(pg: Any, nbytes: int) -> torch.Tensor | None:
+def _allocate(pg: ProcessGroup, nbytes: int) -> torch.Tensor | None:
     try:
         return pg.transport.buffer(nbytes)
     except OSError as e:
@@ -91,7 +95,7 @@ def _allocate(pg: Any, nbytes: int) -> torch.Tensor | None:
                                "RINGLET_SHM_BUFFER_BYTES=0 for ordinary tensors)") from None
 
 
-def is_comm_buffer(tensor: torch.Tensor, group: Any = None) -> bool:
+def is_comm_buffer(tensor: torch.Tensor, group: GroupArg = None) -> bool:
     """Whether ``tensor``'s bytes lie in this rank's buffer heap of ``group`` (see
     :func:`comm_buffer`), i.e. whether its collectives on that group run in place."""
     pg = _call.resolve(group, "is_comm_buffer", quiet=True)

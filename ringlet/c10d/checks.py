@@ -29,7 +29,7 @@ got ..." and carry the rank.
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from ringlet.c10d._current import current_world
 from ringlet.c10d.reduce_op import resolve_op
 from ringlet.transport.base import DTYPE_CODES
 from ringlet.transport.reduce import RedOpType, check_op_dtype
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import ProcessGroup
 
 __all__ = [
     "Staged", "blocks", "contiguous_input", "dense", "op_dtype", "peer", "plain", "reduce_op",
@@ -131,7 +134,7 @@ def _plain(t: Any, op: str, arg: str) -> torch.Tensor:
         raise fail(TypeError, op, arg, "expected a plain torch.Tensor, got a DTensor: collectives "
                    "move one rank's local data, so pass dtensor.to_local() (this rank's shard), or "
                    "use DTensor's own redistribute() / full_tensor() to change its placement")
-    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+    if isinstance(t, torch.nn.UninitializedParameter | torch.nn.UninitializedBuffer):
         raise fail(ValueError, op, arg, "expected a materialized tensor, got an uninitialized lazy "
                    "parameter (run a forward pass or materialize() it first)")
     if type(t).__torch_dispatch__ is not _BASE_DISPATCH:
@@ -357,7 +360,7 @@ def root(r: Any, size: int, op: str, arg: str) -> int:
     return v
 
 
-def peer(pg: Any, global_rank: Any, group_rank: Any, op: str, arg: str) -> int:
+def peer(pg: ProcessGroup, global_rank: Any, group_rank: Any, op: str, arg: str) -> int:
     """Group rank of a root/peer given either torch's global ``src``/``dst`` or
     ``group_src``/``group_dst``."""
     if global_rank is not None and group_rank is not None:
@@ -390,8 +393,9 @@ def split_sizes(sizes: Any, n: int, rows: int, op: str, arg: str) -> list[int]:
             raise fail(ValueError, op, arg, f"not given, so dim 0 ({rows}) must divide evenly by "
                        f"world size {n}")
         return [rows // n] * n
-    vals = [_int(s) for s in sizes] if isinstance(sizes, (list, tuple)) else None
-    if vals is None or len(vals) != n or any(v is None or v < 0 for v in vals) or sum(vals) != rows:  # type: ignore[misc]
+    given = list(sizes) if isinstance(sizes, (list, tuple)) else []
+    vals = [v for v in map(_int, given) if v is not None and v >= 0]
+    if len(given) != n or len(vals) != n or sum(vals) != rows:
         raise fail(ValueError, op, arg, f"expected {n} non-negative integers summing to dim 0 "
                    f"({rows}), got {sizes!r}")
-    return vals  # type: ignore[return-value]
+    return vals

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ringlet.c10d import _call, checks
-from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.group import GroupArg, ProcessGroup
 from ringlet.c10d.work import Work, _Completed
 from ringlet.transport.reduce import RedOpType
 
@@ -136,7 +136,7 @@ def _flush_before_other_ops(pg: ProcessGroup) -> None:
 
 
 @contextlib.contextmanager
-def _coalescing_manager(group: Any = None, device: Any = None,
+def _coalescing_manager(group: GroupArg = None, device: Any = None,
                         async_ops: bool = False) -> Iterator[_CoalescingManager]:
     """Coalesce the collectives issued on ``group`` inside the block (torch's private API).
 

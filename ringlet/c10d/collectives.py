@@ -23,7 +23,7 @@ import torch
 
 from ringlet.c10d import _call, checks, coalescing, debug, sparse
 from ringlet.c10d.checks import Staged
-from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.group import GroupArg, ProcessGroup
 from ringlet.c10d.list_collectives import (
     all_gather,
     all_gather_coalesced,
@@ -67,7 +67,7 @@ def peer_rank(pg: ProcessGroup, global_rank: int | None, group_rank: int | None,
     return checks.peer(pg, global_rank, group_rank, op, arg)
 
 
-def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: GroupArg = None,
                async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group in place on every rank.
 
@@ -102,7 +102,8 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     return _call.launch(pg, "all_reduce", fn, ctx, [t], async_op)
 
 
-def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM, group: Any = None,
+def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
+           group: GroupArg = None,
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
     """Reduce ``tensor`` across the group into ``dst``'s ``tensor``."""
     pg = _call.resolve(group, "reduce")
@@ -122,7 +123,7 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
     return _call.launch(pg, "reduce", fn, ctx, [t], async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,
+def broadcast(tensor: torch.Tensor, src: int | None = None, group: GroupArg = None,
               async_op: bool = False, group_src: int | None = None) -> Work | None:
     """Copy ``src``'s ``tensor`` into every rank's ``tensor``."""
     pg = _call.resolve(group, "broadcast")
@@ -147,7 +148,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                           group: Any = None, async_op: bool = False) -> Work | None:
+                           group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Gather every rank's ``input_tensor`` into ``output_tensor`` (concatenated
     or stacked on dim 0)."""
     op = "all_gather_into_tensor"
@@ -177,7 +178,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
-                          group: Any = None, async_op: bool = False) -> Work | None:
+                          group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Reduce ``input`` (``size`` blocks) across ranks; block ``r`` lands in
     rank ``r``'s ``output``."""
     name = "reduce_scatter_tensor"
@@ -196,7 +197,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
     return reduce_scatter_into(pg, name, out, inp, red, factor, async_op, (in_plain, out_plain))
 
 
-def _all_gather_base(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
+def _all_gather_base(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                     group: GroupArg = None,
                      async_op: bool = False) -> Work | None:
     """Deprecated name of :func:`all_gather_into_tensor` (still called by published code)."""
     warnings.warn("ringlet.distributed._all_gather_base is deprecated; use all_gather_into_tensor",
@@ -205,7 +207,7 @@ def _all_gather_base(output_tensor: torch.Tensor, input_tensor: torch.Tensor, gr
 
 
 def _reduce_scatter_base(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
-                         group: Any = None, async_op: bool = False) -> Work | None:
+                         group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Deprecated name of :func:`reduce_scatter_tensor` (still called by published code)."""
     warnings.warn("ringlet.distributed._reduce_scatter_base is "
                   "deprecated; use reduce_scatter_tensor",
@@ -215,7 +217,7 @@ def _reduce_scatter_base(output: torch.Tensor, input: torch.Tensor, op: Any = Re
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int] | None = None,
-                      input_split_sizes: list[int] | None = None, group: Any = None,
+                      input_split_sizes: list[int] | None = None, group: GroupArg = None,
                       async_op: bool = False) -> Work | None:
     """Split ``input`` along dim 0 (evenly, or by ``input_split_sizes``) and exchange the pieces."""
     name = "all_to_all_single"
@@ -271,7 +273,7 @@ def _seconds(timeout: Any, op: str) -> float | None:
     return seconds
 
 
-def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None,
+def barrier(group: GroupArg = None, async_op: bool = False, device_ids: Any = None,
             timeout: timedelta | None = None) -> Work | None:
     """Block until every rank of the group has entered the barrier.
 
@@ -304,7 +306,8 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None,
     return _call.launch(pg, "barrier", lambda: pg.transport.barrier(ctx), ctx, [], async_op, False)
 
 
-def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+def monitored_barrier(group: GroupArg = None, timeout: Any = None,
+                      wait_all_ranks: bool = False) -> None:
     """A barrier that, on timeout, raises naming every rank that did not arrive.
 
     The error starts with torch's text ("Rank 1 failed to pass monitoredBarrier in 2000 ms";

@@ -24,9 +24,12 @@ import threading
 import time
 import traceback
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ringlet import _env
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import ProcessGroup
 
 log = logging.getLogger("ringlet")
 
@@ -161,7 +164,7 @@ class Watchdog:
                 for pg in list(self._groups):
                     self._log_waiting(pg, last)
 
-    def _log_waiting(self, pg: Any, last: dict[str, tuple[float, float]]) -> None:
+    def _log_waiting(self, pg: ProcessGroup, last: dict[str, tuple[float, float]]) -> None:
         """RINGLET_STRAGGLER_REPORT: one local line per group -- how much of the time since its
         previous line (measured, not the nominal period) this rank waited, and on whom."""
         now = time.monotonic()
@@ -191,7 +194,7 @@ class Watchdog:
             self._thread.join(POLL_PERIOD * 4 + 1.0)
 
 
-def hang_report(store: Any, pg: Any, err: BaseException) -> str:
+def hang_report(store: Any, pg: ProcessGroup, err: BaseException) -> str:
     """Ask every rank of ``pg`` for its state and merge the answers into one report.
 
     Bounded: the store may itself be unreachable (a cut link), and its calls wait for the store's
@@ -206,7 +209,7 @@ def hang_report(store: Any, pg: Any, err: BaseException) -> str:
             else f"(no hang report: the store did not answer within {REPORT_WAIT + 1.0:.0f} s)")
 
 
-def _collect_report(store: Any, pg: Any, err: BaseException) -> str:
+def _collect_report(store: Any, pg: ProcessGroup, err: BaseException) -> str:
     try:
         req = int(store.add("hang/req", 1))
     except Exception as e:  # noqa: BLE001
@@ -228,7 +231,7 @@ def _collect_report(store: Any, pg: Any, err: BaseException) -> str:
     return format_report(pg, states, list(getattr(err, "context", {}).get("missing", [])))
 
 
-def format_report(pg: Any, states: dict[int, dict[str, Any]], missing: list[int]) -> str:
+def format_report(pg: ProcessGroup, states: dict[int, dict[str, Any]], missing: list[int]) -> str:
     lines = [f"hang report for group {pg.group_desc} ({pg.size()} ranks):"]
     waiting: dict[str, list[int]] = {}
     for gr in range(pg.size()):
@@ -267,7 +270,8 @@ def format_report(pg: Any, states: dict[int, dict[str, Any]], missing: list[int]
     return "\n".join(lines)
 
 
-def monitored_barrier_error(pg: Any, err: Any, seconds: float | None, wait_all_ranks: bool) -> Any:
+def monitored_barrier_error(pg: ProcessGroup, err: Any, seconds: float | None,
+                            wait_all_ranks: bool) -> Any:
     """``err`` (a barrier timeout naming the missing ranks) with torch's text first, which scripts
     search for: on the group's first rank "Rank 2 failed to pass monitoredBarrier in 2000 ms"
     ("Ranks 1, 2 ..." with ``wait_all_ranks``); on the others "Rank 1 successfully reached
@@ -296,7 +300,7 @@ _SHAPED_OPS = {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatte
 _DETAIL_BYTES = 1024
 
 
-def detail_check(pg: Any, ctx: Any, result: Any) -> None:
+def detail_check(pg: ProcessGroup, ctx: Any, result: Any) -> None:
     """Exchange a description of this call with every rank; raise if any
     differs (both call sites)."""
     import torch
@@ -350,7 +354,7 @@ def _describe_call(c: dict[str, Any]) -> str:
 
 
 # -- per-group statistics ------------------------------------------------------------------
-def group_stats(pg: Any) -> dict[str, Any]:
+def group_stats(pg: ProcessGroup) -> dict[str, Any]:
     wait_s, late = pg.wait_stats()
     counts = pg.counts()
     return {

@@ -18,7 +18,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeAlias
 
 import torch
 
@@ -30,6 +30,13 @@ from ringlet.errors import CollectiveTimeoutError, DistBackendError, GroupAborte
 from ringlet.transport.base import OpContext, Transport
 
 __all__ = ["ProcessGroup"]
+
+
+class WrapsGroup(Protocol):
+    """An object that stands for a group wherever a ``group=`` argument is taken (a 1-d
+    DeviceMesh): ``resolve_group`` asks it for its group, or None on a rank outside it."""
+
+    def _ringlet_pg(self) -> ProcessGroup | None: ...
 
 
 HangReporter = Callable[["ProcessGroup", BaseException], str]
@@ -319,6 +326,11 @@ class ProcessGroup(TorchGroupMethods):
         for ex in list(self._p2p.values()):
             ex.close(timeout=1.0)
         self.transport.close()
+
+
+# What a ``group=`` argument accepts: a group, an object that wraps one, or None (the default
+# group). The markers ``group.WORLD`` and ``GroupMember.NON_GROUP_MEMBER`` are typed ``Any``.
+GroupArg: TypeAlias = ProcessGroup | WrapsGroup | None
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ringlet.c10d import _call, checks
-from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.group import GroupArg, ProcessGroup
 from ringlet.c10d.reduce_op import ReduceOp, check_complex
 from ringlet.c10d.work import Work
 
@@ -48,7 +48,8 @@ def _same_numel(op: str, arg: str, ts: list[torch.Tensor], want: int, like: str)
                               f"(like {like}), got {t.numel()}")
 
 
-def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = ReduceOp.SUM, group: Any = None,
+def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = ReduceOp.SUM,
+                         group: GroupArg = None,
                          async_op: bool = False) -> Work | None:
     """All-reduce several tensors at once: one flat buffer per dtype (in order of first use)."""
     name = "all_reduce_coalesced"
@@ -74,7 +75,7 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = ReduceOp.SUM, gr
     return _call.launch(pg, name, fn, ctxs[-1], ts, async_op)
 
 
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: GroupArg = None,
                async_op: bool = False) -> Work | None:
     """Gather every rank's ``tensor`` into ``tensor_list[rank]``; sizes may differ per rank."""
     pg = _call.resolve(group, "all_gather")
@@ -119,7 +120,7 @@ def _uneven_all_gather(pg: ProcessGroup, outs: list[torch.Tensor], inp: torch.Te
 
 
 def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]],
-                         input_tensor_list: list[torch.Tensor], group: Any = None,
+                         input_tensor_list: list[torch.Tensor], group: GroupArg = None,
                          async_op: bool = False) -> Work | None:
     """``all_gather`` of several tensors at once (one flat exchange)."""
     name = "all_gather_coalesced"
@@ -157,7 +158,7 @@ def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]],
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM,
-                   group: Any = None, async_op: bool = False) -> Work | None:
+                   group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Reduce ``input_list[r]`` across ranks into rank ``r``'s ``output``."""
     pg = _call.resolve(group, "reduce_scatter")
     if pg is None:
@@ -194,7 +195,7 @@ def reduce_scatter_into(pg: ProcessGroup, name: str, out: torch.Tensor, inp: tor
 
 
 def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
-               group: Any = None, async_op: bool = False) -> Work | None:
+               group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Send ``input_tensor_list[j]`` to rank ``j``; receive rank ``i``'s into
     ``output_tensor_list[i]``."""
     pg = _call.resolve(group, "all_to_all")
@@ -219,7 +220,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
 
 
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
-           dst: int | None = None, group: Any = None, async_op: bool = False,
+           dst: int | None = None, group: GroupArg = None, async_op: bool = False,
            group_dst: int | None = None) -> Work | None:
     """Gather every rank's ``tensor`` into ``gather_list`` on ``dst``."""
     pg = _call.resolve(group, "gather")
@@ -248,7 +249,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
 
 
 def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None,
-            src: int | None = None, group: Any = None, async_op: bool = False,
+            src: int | None = None, group: GroupArg = None, async_op: bool = False,
             group_src: int | None = None) -> Work | None:
     """Send ``scatter_list[r]`` from ``src`` to rank ``r``'s ``tensor``."""
     pg = _call.resolve(group, "scatter")

@@ -35,7 +35,7 @@ import torch
 
 from ringlet.c10d import _call, checks
 from ringlet.c10d import _nn_autograd as fn
-from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.group import GroupArg, ProcessGroup
 from ringlet.c10d.reduce_op import ReduceOp
 from ringlet.c10d.world import get_rank
 
@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 
-def _group(group: Any, op: str) -> ProcessGroup:
+def _group(group: GroupArg, op: str) -> ProcessGroup:
     """The group of a call; a non-member has no result to return, so it is refused."""
     pg = _call.resolve(group, op, quiet=True)
     if pg is None:
@@ -87,7 +87,7 @@ def _op(op: Any, name: str, dtype: torch.dtype) -> fn.Reduction:
     return fn.Reduction(op, red, factor, name)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, src: int, group: GroupArg = None) -> torch.Tensor:
     """Return ``src``'s ``tensor`` on every rank; its gradient is summed into ``src``.
 
     Args:
@@ -112,7 +112,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> torch.Tensor
     return fn.Broadcast.apply(pg, root, tensor)
 
 
-def gather(tensor: torch.Tensor, dst: int = 0, group: Any = None) -> tuple[torch.Tensor, ...]:
+def gather(tensor: torch.Tensor, dst: int = 0, group: GroupArg = None) -> tuple[torch.Tensor, ...]:
     """Gather every rank's ``tensor`` on ``dst``.
 
     Args:
@@ -134,7 +134,7 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: Any = None) -> tuple[torch
     return fn.Gather.apply(pg, root, tensor)
 
 
-def scatter(tensors: list[torch.Tensor], src: int = 0, group: Any = None) -> torch.Tensor:
+def scatter(tensors: list[torch.Tensor], src: int = 0, group: GroupArg = None) -> torch.Tensor:
     """Send ``tensors[r]`` from ``src`` to rank ``r``.
 
     Args:
@@ -157,7 +157,7 @@ def scatter(tensors: list[torch.Tensor], src: int = 0, group: Any = None) -> tor
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM,
-           group: Any = None) -> torch.Tensor:
+           group: GroupArg = None) -> torch.Tensor:
     """Reduce every rank's ``tensor`` into ``dst``.
 
     Args:
@@ -182,7 +182,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM,
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM,
-                   group: Any = None) -> torch.Tensor:
+                   group: GroupArg = None) -> torch.Tensor:
     """Reduce ``input_list[r]`` over the ranks into rank ``r``'s ``output``.
 
     Args:
@@ -205,7 +205,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any
     return fn.ReduceScatter.apply(pg, _op(op, "reduce_scatter", output.dtype), output, *ins)
 
 
-def all_gather(tensor: torch.Tensor, group: Any = None) -> tuple[torch.Tensor, ...]:
+def all_gather(tensor: torch.Tensor, group: GroupArg = None) -> tuple[torch.Tensor, ...]:
     """Gather every rank's ``tensor`` on every rank.
 
     Args:
@@ -230,7 +230,7 @@ def all_gather(tensor: torch.Tensor, group: Any = None) -> tuple[torch.Tensor, .
 
 
 def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
-               group: Any = None) -> tuple[torch.Tensor, ...]:
+               group: GroupArg = None) -> tuple[torch.Tensor, ...]:
     """Send ``input_tensor_list[j]`` to rank ``j``; receive rank ``i``'s into
     ``output_tensor_list[i]``.
 
@@ -256,7 +256,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int] | None = None,
                       input_split_sizes: list[int] | None = None,
-                      group: Any = None) -> torch.Tensor:
+                      group: GroupArg = None) -> torch.Tensor:
     """Split ``input`` along dim 0 (evenly, or by ``input_split_sizes``) and exchange the pieces
     into ``output`` (split by ``output_split_sizes``).
 
@@ -279,7 +279,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     return fn.AllToAllSingle.apply(pg, (output_split_sizes, input_split_sizes), output, input)
 
 
-def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM,
+               group: GroupArg = None) -> torch.Tensor:
     """Reduce every rank's ``tensor``; every rank gets the result.
 
     Args:
@@ -305,7 +306,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None) 
 
 
 def _all_gather_base(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                     group: Any = None) -> torch.Tensor:
+                     group: GroupArg = None) -> torch.Tensor:
     """Deprecated torch name: ``all_gather_into_tensor`` with gradients (torch's runs its
     backward on NCCL only; here on every transport).  Returns a view of ``output_tensor``."""
     warnings.warn("ringlet.distributed.nn.functional._all_gather_base is deprecated; use "

@@ -28,13 +28,16 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ringlet import _env
 from ringlet.c10d import _call, _restricted, p2p
 from ringlet.c10d import collectives as C
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import GroupArg, ProcessGroup
 
 __all__ = [
     "MAX_OBJECT_BYTES",
@@ -106,7 +109,7 @@ def _as_tensor(data: bytes | None, size: int) -> torch.Tensor:
     return t
 
 
-def _exchange_sizes(pg: Any, obj: Any, data: bytes | None, op: str) -> list[int]:
+def _exchange_sizes(pg: ProcessGroup, obj: Any, data: bytes | None, op: str) -> list[int]:
     """Every rank's payload size (or the failure marker), checked before anything is allocated;
     this rank re-raises its own pickling error after the exchange, so peers never wait for it."""
     sizes = torch.zeros(pg.size(), dtype=torch.int64)
@@ -120,7 +123,7 @@ def _exchange_sizes(pg: Any, obj: Any, data: bytes | None, op: str) -> list[int]
     return out
 
 
-def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+def all_gather_object(object_list: list[Any], obj: Any, group: GroupArg = None) -> None:
     """Fill ``object_list`` (length = group size) with every rank's ``obj``."""
     pg = _call.resolve(group, "all_gather_object")
     if pg is None:
@@ -140,7 +143,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
 
 
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
-                  group: Any = None, group_dst: int | None = None) -> None:
+                  group: GroupArg = None, group_dst: int | None = None) -> None:
     """On ``dst``, fill ``object_gather_list`` with every rank's ``obj``."""
     pg = _call.resolve(group, "gather_object")
     if pg is None:
@@ -168,7 +171,7 @@ def _not_a_list(object_list: Any) -> str:
             f"{type(object_list).__name__}")
 
 
-def broadcast_object_list(object_list: list[Any], src: int | None = None, group: Any = None,
+def broadcast_object_list(object_list: list[Any], src: int | None = None, group: GroupArg = None,
                           device: Any = None, group_src: int | None = None) -> None:
     """Replace ``object_list``'s entries on every rank with ``src``'s."""
     pg = _call.resolve(group, "broadcast_object_list")
@@ -207,7 +210,7 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
 
 def scatter_object_list(scatter_object_output_list: list[Any],
                         scatter_object_input_list: list[Any] | None = None, src: int | None = None,
-                        group: Any = None,
+                        group: GroupArg = None,
                         group_src: int | None = None) -> None:
     """Rank ``r`` receives ``scatter_object_input_list[r]`` of ``src`` in
     ``scatter_object_output_list[0]``."""
@@ -242,7 +245,7 @@ def scatter_object_list(scatter_object_output_list: list[Any],
                                             "scatter_object_list")
 
 
-def send_object_list(object_list: list[Any], dst: int | None = None, group: Any = None,
+def send_object_list(object_list: list[Any], dst: int | None = None, group: GroupArg = None,
                      device: Any = None, group_dst: int | None = None,
                      use_batch: bool = False) -> None:
     """Send the objects of ``object_list`` to ``dst`` (pairs with :func:`recv_object_list`);
@@ -255,7 +258,7 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group: Any 
     p2p.send_one(_as_tensor(data, size), dst, group, group_dst, use_batch)
 
 
-def recv_object_list(object_list: list[Any], src: int | None = None, group: Any = None,
+def recv_object_list(object_list: list[Any], src: int | None = None, group: GroupArg = None,
                      device: Any = None, group_src: int | None = None,
                      use_batch: bool = False) -> int:
     """Receive objects into ``object_list``; returns the sender's global rank (``use_batch``: as

@@ -16,7 +16,7 @@ batch of sends and receives in any order cannot deadlock.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,16 +24,19 @@ from ringlet.c10d import _call, checks
 from ringlet.c10d.work import Work, _Completed
 from ringlet.transport.base import OpContext
 
+if TYPE_CHECKING:
+    from ringlet.c10d.group import GroupArg, ProcessGroup
+
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
 
-def _p2p_ctx(pg: Any, op: str, peer: int, t: torch.Tensor) -> OpContext:
+def _p2p_ctx(pg: ProcessGroup, op: str, peer: int, t: torch.Tensor) -> OpContext:
     pg.check_usable()
     return OpContext.make(op, 0, pg.rank(), pg.size(), pg.group_desc, pg.timeout, dtype=t.dtype,
                           numel=t.numel(), root=peer, shape=tuple(t.shape))
 
 
-def _peer(pg: Any, rank: Any, group_rank: Any, op: str, arg: str) -> int:
+def _peer(pg: ProcessGroup, rank: Any, group_rank: Any, op: str, arg: str) -> int:
     peer = checks.peer(pg, rank, group_rank, op, arg)
     if peer == pg.rank():
         raise checks.fail(ValueError, op, arg if group_rank is None else f"group_{arg}",
@@ -41,7 +44,7 @@ def _peer(pg: Any, rank: Any, group_rank: Any, op: str, arg: str) -> int:
     return peer
 
 
-def isend(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
+def isend(tensor: torch.Tensor, dst: int | None = None, group: GroupArg = None, tag: int = 0,
           group_dst: int | None = None) -> Work | None:
     """Send ``tensor`` to ``dst`` asynchronously; returns a :class:`Work`.
 
@@ -62,7 +65,7 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: 
                             ctx, [data])
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
+def irecv(tensor: torch.Tensor, src: int | None = None, group: GroupArg = None, tag: int = 0,
           group_src: int | None = None) -> Work | None:
     """Receive into ``tensor`` from ``src`` (None: any rank) asynchronously;
     returns a :class:`Work`."""
@@ -86,7 +89,7 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: 
     return _call.launch_p2p(pg, "recv", fn, key, "recv", ctx, [t])
 
 
-def send(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
+def send(tensor: torch.Tensor, dst: int | None = None, group: GroupArg = None, tag: int = 0,
          group_dst: int | None = None) -> None:
     """Send ``tensor`` to ``dst``; returns once the bytes are handed over."""
     work = isend(tensor, dst, group, tag, group_dst)
@@ -94,7 +97,7 @@ def send(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: i
         work.wait()
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
+def recv(tensor: torch.Tensor, src: int | None = None, group: GroupArg = None, tag: int = 0,
          group_src: int | None = None) -> int:
     """Receive into ``tensor`` from ``src`` (None: any rank); returns the sender's global rank."""
     work = irecv(tensor, src, group, tag, group_src)
@@ -107,8 +110,8 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: i
 class P2POp:
     """One operation of :func:`batch_isend_irecv`: ``P2POp(dist.isend, tensor, peer)``."""
 
-    def __init__(self, op: Any, tensor: torch.Tensor, peer: int | None = None, group: Any = None,
-                 tag: int = 0, group_peer: int | None = None) -> None:
+    def __init__(self, op: Any, tensor: torch.Tensor, peer: int | None = None,
+                 group: GroupArg = None, tag: int = 0, group_peer: int | None = None) -> None:
         name = getattr(op, "__name__", "")
         if name not in ("isend", "irecv", "send", "recv"):
             raise ValueError(f"P2POp: op: expected dist.isend or dist.irecv, got {op!r}")
@@ -163,7 +166,8 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     return works
 
 
-def send_one(tensor: torch.Tensor, dst: Any, group: Any, group_dst: Any, use_batch: bool) -> None:
+def send_one(tensor: torch.Tensor, dst: Any, group: GroupArg, group_dst: Any,
+             use_batch: bool) -> None:
     """``send``, or (``use_batch``) a one-entry ``batch_isend_irecv`` as torch's object p2p does."""
     if not use_batch:
         send(tensor, dst, group, group_dst=group_dst)
@@ -172,7 +176,8 @@ def send_one(tensor: torch.Tensor, dst: Any, group: Any, group_dst: Any, use_bat
         work.wait()
 
 
-def recv_one(tensor: torch.Tensor, src: Any, group: Any, group_src: Any, use_batch: bool) -> int:
+def recv_one(tensor: torch.Tensor, src: Any, group: GroupArg, group_src: Any,
+             use_batch: bool) -> int:
     """``recv`` (returns the sender's global rank), or a one-entry ``batch_isend_irecv``."""
     if not use_batch:
         return recv(tensor, src, group, group_src=group_src)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -97,6 +97,9 @@ def _root(opts: Any, root: Any) -> int:
 class TorchGroupMethods:
     """Mixin of :class:`~ringlet.c10d.group.ProcessGroup`: torch's methods (see module
     docstring)."""
+
+    if TYPE_CHECKING:   # what the methods use of their host, ProcessGroup
+        def rank(self) -> int: ...
 
     def allreduce(self, tensors: Any, opts: AllreduceOptions | Any = None, op: Any = None) -> Any:
         t = _one(tensors, "allreduce", "tensors")

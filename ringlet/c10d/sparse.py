@@ -14,7 +14,7 @@ sparse tensors here), so this module never imports the functional API that build
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,10 +22,13 @@ from ringlet.c10d.reduce_op import resolve_op
 from ringlet.c10d.work import Work, _Completed
 from ringlet.transport.reduce import RedOpType
 
+if TYPE_CHECKING:
+    from ringlet.c10d.group import ProcessGroup
+
 __all__ = ["all_reduce"]
 
 
-def all_reduce(pg: Any, tensor: torch.Tensor, op: Any, async_op: bool,
+def all_reduce(pg: ProcessGroup, tensor: torch.Tensor, op: Any, async_op: bool,
                gather_into: Callable[..., Any], gather_list: Callable[..., Any]) -> Work | None:
     """Sum the sparse COO ``tensor`` over ``pg`` in place (the collective runs synchronously;
     with ``async_op`` the returned Work is already complete).
@@ -66,7 +69,7 @@ def all_reduce(pg: Any, tensor: torch.Tensor, op: Any, async_op: bool,
     return _Completed([tensor], op="all_reduce (sparse)") if async_op else None
 
 
-def _check_same_layout(pg: Any, t: torch.Tensor, all_gather_into_tensor: Callable[..., Any]
+def _check_same_layout(pg: ProcessGroup, t: torch.Tensor, all_gather_into_tensor: Callable[..., Any]
                        ) -> None:
     """Every rank holds a tensor of the same shape, sparse and dense dimensions."""
     for what, mine in (("sparse_dim, dense_dim", [t.sparse_dim(), t.dense_dim()]),
@@ -80,7 +83,7 @@ def _check_same_layout(pg: Any, t: torch.Tensor, all_gather_into_tensor: Callabl
                                  f"rank; {what}: this rank {mine}, rank {pg.ranks[r]} {theirs}")
 
 
-def _gather_uneven(pg: Any, flat: torch.Tensor, all_gather_into_tensor: Callable[..., Any],
+def _gather_uneven(pg: ProcessGroup, flat: torch.Tensor, all_gather_into_tensor: Callable[..., Any],
                    all_gather: Callable[..., Any]) -> list[torch.Tensor]:
     """Every rank's ``flat`` (sizes may differ), in rank order."""
     sizes = torch.empty(pg.size(), dtype=torch.int64)

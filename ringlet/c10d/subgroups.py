@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ringlet.c10d import _call, checks
 from ringlet.c10d.world import (
@@ -21,6 +21,9 @@ from ringlet.c10d.world import (
     current_world,
     get_process_group_ranks,
 )
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import GroupArg
 
 __all__ = ["new_subgroups", "new_subgroups_by_enumeration", "split_group"]
 
@@ -85,7 +88,7 @@ def split_group(parent_pg: Any = None, split_ranks: list[list[int]] | None = Non
     return mine
 
 
-def new_subgroups(group_size: int | None = None, group: Any = None,
+def new_subgroups(group_size: int | None = None, group: GroupArg = None,
                   timeout: timedelta | None = None,
                   backend: str | None = None, pg_options: Any = None,
                   group_desc: str | None = None) -> tuple[Any, list[Any]]:

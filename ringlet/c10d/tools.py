@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,13 +14,16 @@ from ringlet.c10d.objects import all_gather_object
 from ringlet.c10d.reduce_op import ReduceOp
 from ringlet.c10d.world import current_world, resolve_group
 
+if TYPE_CHECKING:
+    from ringlet.c10d.group import GroupArg
+
 __all__ = ["agree", "report_stragglers", "stats"]
 
 # group -> (time, wait_s) at this rank's last report (by group object: ranks may be threads)
 _last_report: weakref.WeakKeyDictionary[Any, tuple[float, float]] = weakref.WeakKeyDictionary()
 
 
-def agree(flag: bool, op: str = "any", group: Any = None) -> bool:
+def agree(flag: bool, op: str = "any", group: GroupArg = None) -> bool:
     """Make a rank-local decision the same on every rank: True if ``any`` (or ``all``) rank says so.
 
     The classic hang: ``if loss.isnan(): continue`` where only one rank sees the NaN; that rank
@@ -38,7 +41,7 @@ def agree(flag: bool, op: str = "any", group: Any = None) -> bool:
     return bool(t.item())
 
 
-def stats(group: Any = None) -> dict[str, Any] | list[dict[str, Any]]:
+def stats(group: GroupArg = None) -> dict[str, Any] | list[dict[str, Any]]:
     """This rank's communication statistics: per group, collectives issued (by op), elements moved,
     seconds spent waiting for peers and, per peer, how long it was the one awaited.
 
@@ -51,7 +54,7 @@ def stats(group: Any = None) -> dict[str, Any] | list[dict[str, Any]]:
     return [debug.group_stats(pg) for pg in w.groups] if w is not None else []
 
 
-def report_stragglers(group: Any = None, print_on: int = 0) -> list[str]:
+def report_stragglers(group: GroupArg = None, print_on: int = 0) -> list[str]:
     """Gather every rank's stats of ``group`` (a collective: every rank calls it) and, on rank
     ``print_on``, print who arrives late and how much of the time since its previous report (or
     since the group was created) each rank spent waiting.  Returns the report lines (on every

@@ -48,7 +48,8 @@ class Work:
         self._src = -1
         # A CUDA op's future is CUDA-aware: its callbacks and waits follow the op on the streams
         # ([Note: CUDA streams] in _cuda.py).
-        self._devices = [device] if device is not None and device.type == "cuda" else None
+        self._devices: list[torch.device | int | str] | None = (
+            [device] if device is not None and device.type == "cuda" else None)
 
     # -- completion (called by the executor) -------------------------------------------
     def _complete(self, exc: BaseException | None = None) -> None:

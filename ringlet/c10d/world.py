@@ -22,7 +22,7 @@ from typing import Any
 from ringlet import _env
 from ringlet.c10d import _creation, _cuda, debug
 from ringlet.c10d._current import _set_world, current_world
-from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.group import GroupArg, ProcessGroup
 from ringlet.c10d.rendezvous import check_ranks, rendezvous, store_from_init_method
 from ringlet.transport import selection
 
@@ -155,7 +155,7 @@ def resolve_group(g: Any) -> ProcessGroup | None:
                     f"{type(g).__name__}")
 
 
-def _member(group: Any, op: str) -> ProcessGroup:
+def _member(group: GroupArg, op: str) -> ProcessGroup:
     """The group of a query that needs membership (torch's wording, then ours)."""
     pg = resolve_group(group)
     if pg is None:
@@ -268,7 +268,7 @@ def _make_group(w: _World, ranks: list[int], gid: str, spec: str, given: str | N
     return pg
 
 
-def destroy_process_group(group: Any = None) -> None:
+def destroy_process_group(group: GroupArg = None) -> None:
     """Destroy ``group``, or (default) every group and the default world.  Bounded."""
     w = current_world(required=False)
     if w is None:
@@ -304,13 +304,13 @@ def is_available() -> bool:
     return True
 
 
-def get_rank(group: Any = None) -> int:
+def get_rank(group: GroupArg = None) -> int:
     """This process's rank in ``group`` (default: the world); -1 if not a member."""
     pg = resolve_group(group)
     return -1 if pg is None else pg.rank()
 
 
-def get_world_size(group: Any = None) -> int:
+def get_world_size(group: GroupArg = None) -> int:
     """Number of ranks in ``group`` (default: the world); -1 if this rank is not a member.
 
     Raises:
@@ -320,7 +320,7 @@ def get_world_size(group: Any = None) -> int:
     return -1 if pg is None else pg.size()
 
 
-def get_backend(group: Any = None) -> str:
+def get_backend(group: GroupArg = None) -> str:
     """The backend name of ``group`` as given to ``init_process_group``/``new_group`` (lower case,
     like torch: ``"gloo"`` after ``init_process_group("gloo")``); for ``auto`` (the default), the
     transport chosen (``"shm"``, ``"tcp"``, ``"shm+tcp"``).  The transport actually running is
@@ -418,7 +418,7 @@ def create_groups(lists: list[list[int]], timeout: timedelta | float | None = No
     return out
 
 
-def get_process_group_ranks(group: Any) -> list[int]:
+def get_process_group_ranks(group: GroupArg) -> list[int]:
     """The global ranks of ``group``, in group-rank order.
 
     Raises:
@@ -428,7 +428,7 @@ def get_process_group_ranks(group: Any) -> list[int]:
     return pg.ranks
 
 
-def get_global_rank(group: Any, group_rank: int) -> int:
+def get_global_rank(group: GroupArg, group_rank: int) -> int:
     """The global rank of ``group``'s rank ``group_rank``.
 
     Raises:
@@ -441,7 +441,7 @@ def get_global_rank(group: Any, group_rank: int) -> int:
     return pg.ranks[group_rank]
 
 
-def get_group_rank(group: Any, global_rank: int) -> int:
+def get_group_rank(group: GroupArg, global_rank: int) -> int:
     """The rank within ``group`` of the global rank ``global_rank``.
 
     Raises:

@@ -12,7 +12,7 @@ from typing import Any
 
 from ringlet.c10d import debug
 from ringlet.c10d.debug import DebugLevel, get_debug_level
-from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.group import GroupArg, ProcessGroup
 from ringlet.c10d.world import GroupMember, _member, current_world, resolve_group
 
 __all__ = ["DebugLevel", "_get_default_group", "_get_pg_config", "_get_process_group_name",
@@ -63,12 +63,12 @@ def _get_default_group() -> ProcessGroup:
     return pg
 
 
-def _rank_not_in_group(group: Any) -> bool:
+def _rank_not_in_group(group: GroupArg) -> bool:
     """Whether this rank is outside ``group`` (None means the default group: False)."""
     return group is GroupMember.NON_GROUP_MEMBER
 
 
-def _get_process_group_name(pg: Any) -> str:
+def _get_process_group_name(pg: ProcessGroup) -> str:
     """torch's name of a group: its ``group_name``.
 
     Raises:
@@ -77,7 +77,7 @@ def _get_process_group_name(pg: Any) -> str:
     return _member(pg, "_get_process_group_name").group_name
 
 
-def _get_pg_config(group: Any = None) -> dict[str, Any]:
+def _get_pg_config(group: GroupArg = None) -> dict[str, Any]:
     """torch's summary of a group: name, description, backend, size and global ranks."""
     pg = _member(group, "_get_pg_config")
     return {"pg_name": pg.group_name, "pg_desc": pg.group_desc, "backend_config": pg.backend,

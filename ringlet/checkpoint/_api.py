@@ -6,6 +6,7 @@ import concurrent.futures
 import enum
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from ringlet.c10d import world as _world
 from ringlet.checkpoint._coord import Coordinator, StoreCoordinator, coordinator_for
 from ringlet.checkpoint._load import load_into
 from ringlet.checkpoint._metadata import Metadata
-from ringlet.checkpoint._save import Prepared, finish, prepare, write
+from ringlet.checkpoint._save import Item, Prepared, finish, prepare, write
 from ringlet.checkpoint.filesystem import FileSystemReader, FileSystemWriter, resolve_location
 from ringlet.checkpoint.stateful import resolve_stateful
 
@@ -156,11 +157,15 @@ def _wait_inflight() -> None:
 
 def _snapshot(prep: Prepared) -> None:
     """Copy the pieces this rank writes, so later updates of the live tensors cannot leak in."""
-    staged = []
+    staged: list[Item] = []
     for key, box, dtype, get in prep.items:
         copy = get().detach().to("cpu", copy=True).contiguous()
-        staged.append((key, box, dtype, lambda c=copy: c))
+        staged.append((key, box, dtype, _getter(copy)))
     prep.items = staged
+
+
+def _getter(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: t
 
 
 def _background_coordinator(coord: Coordinator, save_id: str) -> Coordinator:

@@ -34,7 +34,8 @@ _WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module")
 
 def clean_fqn(model: nn.Module, key: str) -> str:
     """``key`` of ``model.state_dict()`` without the components wrappers add."""
-    out, mod = [], model
+    out: list[str] = []
+    mod: nn.Module | None = model
     for part in key.split("."):
         child = mod._modules.get(part) if isinstance(mod, nn.Module) else None
         wrapper = ((part == "module" and isinstance(mod, DistributedDataParallel))

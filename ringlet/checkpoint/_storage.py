@@ -63,7 +63,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def _write_all(fd: int, data: memoryview, path: str) -> None:

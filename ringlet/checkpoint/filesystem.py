@@ -9,7 +9,7 @@ itself is fixed (docs/checkpoint.md).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "resolve_location"]
 
@@ -81,7 +81,11 @@ class FileSystemReader:
         return f"FileSystemReader({self.path!r})"
 
 
-def resolve_location(op: str, checkpoint_id: Any, storage: Any, kind: type) -> Any:
+_Location = TypeVar("_Location", FileSystemWriter, FileSystemReader)
+
+
+def resolve_location(op: str, checkpoint_id: Any, storage: Any,
+                     kind: type[_Location]) -> _Location:
     """The writer/reader for a call: ``storage`` (re-pointed at ``checkpoint_id`` if given) or
     a default one at ``checkpoint_id``."""
     if storage is None:

@@ -39,6 +39,8 @@ class DTensorSpec:
     placements: Placements
     shape: tuple[int, ...]        # global shape
     stride: tuple[int, ...]       # global stride (what the wrapper tensor reports)
+    # the interned (placements, shape, stride) token the dispatch cache keys on (see above)
+    _key: object = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_key", _intern(self.placements, self.shape, self.stride))

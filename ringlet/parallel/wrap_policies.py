@@ -50,10 +50,13 @@ def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_num
     inside a wrapped submodule; never look inside ``force_leaf_modules`` (default
     ``{nn.MultiheadAttention}``), never wrap ``exclude_wrap_modules`` (default ``{nn.ModuleList,
     nn.ModuleDict}``)."""
-    leaves = tuple(size_based_auto_wrap_policy.FORCE_LEAF_MODULES if force_leaf_modules is None
+    # the defaults are attributes of this function (set below), read at each call as in torch,
+    # where callers may replace them (a function's type declares no such attributes: hence Any)
+    defaults: Any = size_based_auto_wrap_policy
+    leaves = tuple(defaults.FORCE_LEAF_MODULES if force_leaf_modules is None
                    else force_leaf_modules)
-    excluded = tuple(size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES
-                     if exclude_wrap_modules is None else exclude_wrap_modules)
+    excluded = tuple(defaults.EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None
+                     else exclude_wrap_modules)
     big = nonwrapped_numel >= min_num_params
     if recurse:
         return big and not isinstance(module, leaves)

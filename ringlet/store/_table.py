@@ -129,11 +129,11 @@ class KeyTable:
             (key,) = self._args(op, args, 1)
             return Status.OK, [str(len(self.queues.get(self._key(key), ()))).encode("ascii")]
         key, _block = self._args(op, args, 2)   # a non-blocking QUEUE_POP (blocking ones park)
-        value = self._pop(self._key(key))
-        if value is None:
+        popped = self._pop(self._key(key))
+        if popped is None:
             return (Status.QUEUE_EMPTY,
                     [f"queue {key.decode('utf-8', 'replace')!r} is empty".encode()])
-        return Status.OK, [value]
+        return Status.OK, [popped]
 
     def _pop(self, key: str) -> bytes | None:
         value = pop_queue(self.queues, key)

@@ -115,16 +115,19 @@ try:   # numpy's own errstate costs ~3 us a call; setting its context variable d
     from numpy._core.umath import _extobj_contextvar, _make_extobj
 
     # bound C callables, no Python frame: np_fold runs on every small reduction
-    _quiet = functools.partial(_extobj_contextvar.set, _make_extobj(all="ignore"))
-    _loud = _extobj_contextvar.reset
+    _quiet: Callable[[], Any] = functools.partial(_extobj_contextvar.set,
+                                                  _make_extobj(all="ignore"))
+    _loud: Callable[[Any], object] = _extobj_contextvar.reset
 except ImportError:  # pragma: no cover - other numpy versions
-    def _quiet() -> object:
+    def _errstate_enter() -> np.errstate:
         state = np.errstate(all="ignore")
         state.__enter__()
         return state
 
-    def _loud(token: object) -> None:
-        token.__exit__(None, None, None)  # type: ignore[attr-defined]
+    def _errstate_exit(state: np.errstate) -> None:
+        state.__exit__(None, None, None)
+
+    _quiet, _loud = _errstate_enter, _errstate_exit
 
 
 def reads_first(index: int) -> bool:
@@ -148,13 +151,13 @@ class Reduction:
         self.dtype = dtype
         self.pre = pre              # each contribution times this first, or None
         self.post = post            # the folded result divided by this (1: not at all)
-        pair = _TORCH_BOOL.get(fold) if dtype == torch.bool else None
-        self.pair = pair or _TORCH.get(fold)
-        if self.pair is None:
+        pair = (_TORCH_BOOL.get(fold) if dtype == torch.bool else None) or _TORCH.get(fold)
+        if pair is None:
             raise AssertionError(f"unknown reduce op {op!r}")
         if dtype in _SIGNED_VIEW:
-            self.pair = _on_signed_view(self.pair, _SIGNED_VIEW[dtype],
-                                        fold in (RedOpType.MIN, RedOpType.MAX))
+            pair = _on_signed_view(pair, _SIGNED_VIEW[dtype],
+                                   fold in (RedOpType.MIN, RedOpType.MAX))
+        self.pair: Callable[..., Any] = pair
         # The numpy kernel serves exact contributions of numpy's dtypes; AVG on floats only.
         numpy_ok = dtype in NP_DTYPES and pre is None and (post == 1 or dtype.is_floating_point)
         self.ufunc = _NUMPY[fold] if numpy_ok else None

@@ -49,12 +49,14 @@ def _plan_inputs(call: OpCall, query_slot: int) -> tuple[list[Placements], tuple
 def sdpa_rule(call: OpCall) -> Plan:
     inputs, target = _plan_inputs(call, 0)
     q, v = call.dts[call.slot(0) or 0], call.dts[call.slot(2) or 2]
-    shapes = [tuple(q.shape[:-1]) + (v.shape[-1],), tuple(q.shape[:-1])]
+    shapes: list[tuple[int, ...] | None] = [tuple(q.shape[:-1]) + (v.shape[-1],),
+                                            tuple(q.shape[:-1])]
     return Plan(inputs, [target, target], shapes=shapes)
 
 
 @register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 def sdpa_backward_rule(call: OpCall) -> Plan:
     inputs, target = _plan_inputs(call, 1)
-    shapes = [tuple(call.dts[call.slot(i) or i].shape) for i in (1, 2, 3)]
+    shapes: list[tuple[int, ...] | None] = [tuple(call.dts[call.slot(i) or i].shape)
+                                            for i in (1, 2, 3)]
     return Plan(inputs, [target] * 3, shapes=shapes)

@@ -68,7 +68,10 @@ def _quantized_average(process_group: Any, bucket: GradBucketLike, row: int | No
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()
-        total = sum(_dequantize(qr, p) for qr, p in zip(all_q, all_qp))
+        parts = [_dequantize(qr, p) for qr, p in zip(all_q, all_qp)]
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
         buffer.copy_((total / pg.size()).reshape(-1)[:n])
         return buffer
     return work.get_future().then(finish)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from ringlet.parallel.fsdp._state import COPY_SCOPE, FSDPState, TrainingState
 from ringlet.parallel.fsdp._state_dict import apply_to_group, register_state_dict_hooks
 from ringlet.parallel.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
 
+if TYPE_CHECKING:
+    from ringlet.mesh import DeviceMesh
+
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method",
            "share_comm_ctx"]
 
@@ -39,12 +42,15 @@ __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_
 _FSDP_CLASSES: dict[type, type] = {}
 
 
-def fully_shard(module: nn.Module | list[nn.Module], *, mesh: Any = None,
+_Sharded = TypeVar("_Sharded", nn.Module, list[nn.Module])
+
+
+def fully_shard(module: _Sharded, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen
                 offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen
-                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
+                ignored_params: set[nn.Parameter] | None = None) -> _Sharded:
     """Shard ``module``'s parameters over ``mesh`` (FSDP2); returns the same module, re-classed.
 
     The parameters of ``module`` not already managed by a ``fully_shard`` call on a submodule
@@ -186,6 +192,9 @@ class FSDPModule(FSDPControls):
     """
 
     _fsdp_state: FSDPState
+
+    if TYPE_CHECKING:   # what the methods use of the host class, an nn.Module
+        def __setstate__(self, state: dict[str, Any]) -> None: ...
 
     # -- residency -------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:

@@ -85,10 +85,12 @@ class BufferPool:
         return best if best.numel() == numel else best[:numel]
 
     def give(self, t: torch.Tensor) -> None:
-        key, base = self._lent.pop(t.data_ptr(), (None, None))
-        if base is None:
+        lent = self._lent.pop(t.data_ptr(), None)
+        if lent is None:
             base = t if t._base is None else t._base
             key = (base.dtype, base.device, 0)
+        else:
+            key, base = lent
         free = self._free.setdefault(key, [])
         if any(x is base for x in free):
             return

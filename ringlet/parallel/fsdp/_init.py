@@ -89,7 +89,8 @@ def build_group(modules: list[nn.Module], mesh_info: MeshInfo, mp_policy: MixedP
             an uneven split on a non-zero shard dim, or a DTensor parameter whose mesh does not
             combine with fully_shard's.
     """
-    entries, homes = [], []
+    entries: list[tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]] = []
+    homes: list[nn.Module] = []
     for m in modules:            # a parameter shared by two of the modules is sharded once
         found = collect_params(m, set(ignored) | {e[0] for e in entries})
         entries += found

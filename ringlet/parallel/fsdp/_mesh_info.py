@@ -24,7 +24,7 @@ __all__ = ["MeshInfo", "resolve_mesh", "subgroups"]
 class MeshInfo:
     """The groups and ranks of one fully_shard call (kept for the life of its hooks)."""
 
-    mesh: Any                                # the DeviceMesh (1-d or 2-d)
+    mesh: DeviceMesh                         # 1-d or 2-d
     shard_group: ProcessGroup
     shard_rank: int
     shard_size: int
@@ -54,7 +54,7 @@ class MeshInfo:
         return f"MeshInfo({kind}, shard rank {self.shard_rank})"
 
 
-def resolve_mesh(mesh: Any) -> MeshInfo:
+def resolve_mesh(mesh: DeviceMesh | None) -> MeshInfo:
     """Build a :class:`MeshInfo` from ``mesh``.
 
     ``None``: a 1-d mesh over the default world (joined first if this process has not, as
