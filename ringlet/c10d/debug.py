@@ -134,7 +134,8 @@ def setup_logging(level: str) -> None:
 class Watchdog:
     """Answers hang-report requests for one world (see [Note: hang reports])."""
 
-    def __init__(self, store: Any, rank: int, thread_ident: int, groups: list[Any]) -> None:
+    def __init__(self, store: Any, rank: int, thread_ident: int,
+                 groups: list[ProcessGroup]) -> None:
         self._store = store
         self._rank = rank
         self._ident = thread_ident

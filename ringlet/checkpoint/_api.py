@@ -7,7 +7,7 @@ import enum
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from ringlet.checkpoint._metadata import Metadata
 from ringlet.checkpoint._save import Item, Prepared, finish, prepare, write
 from ringlet.checkpoint.filesystem import FileSystemReader, FileSystemWriter, resolve_location
 from ringlet.checkpoint.stateful import resolve_stateful
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import GroupArg
 
 __all__ = ["AsyncCheckpointerType", "DefaultLoadPlanner", "DefaultSavePlanner", "async_save",
            "load", "save"]
@@ -56,7 +59,7 @@ class DefaultLoadPlanner:
         self.allow_partial_load = bool(allow_partial_load)
 
 
-def _coordinator(process_group: Any, no_dist: bool, op: str) -> Coordinator:
+def _coordinator(process_group: GroupArg, no_dist: bool, op: str) -> Coordinator:
     return Coordinator() if no_dist else coordinator_for(process_group, op)
 
 
@@ -68,7 +71,7 @@ def _check_planner(planner: Any, kind: type, op: str) -> None:
 
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
          storage_writer: FileSystemWriter | None = None, planner: DefaultSavePlanner | None = None,
-         process_group: Any = None, no_dist: bool = False,
+         process_group: GroupArg = None, no_dist: bool = False,
          use_collectives: bool = True) -> Metadata:
     """Save ``state_dict`` (a collective: every rank of ``process_group`` calls it; an
     ``async_save`` of this rank still in flight is waited for first).
@@ -109,7 +112,7 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
          storage_reader: FileSystemReader | None = None, planner: DefaultLoadPlanner | None = None,
-         process_group: Any = None, no_dist: bool = False) -> None:
+         process_group: GroupArg = None, no_dist: bool = False) -> None:
     """Load a checkpoint into ``state_dict`` in place, in the sharding ``state_dict`` has now
     (a collective).  Any world size and any strategy may have saved it.
 
@@ -189,7 +192,7 @@ def _check_checkpointer_type(kind: Any) -> None:
 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
                storage_writer: FileSystemWriter | None = None,
-               planner: DefaultSavePlanner | None = None, process_group: Any = None,
+               planner: DefaultSavePlanner | None = None, process_group: GroupArg = None,
                async_checkpointer_type: Any = None,
                async_stager: Any = None, no_dist: bool = False,
                use_collectives: bool = True) -> concurrent.futures.Future[Metadata]:

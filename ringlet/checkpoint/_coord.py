@@ -17,13 +17,16 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ringlet.c10d import collectives as C
 from ringlet.c10d import world as _world
 from ringlet.checkpoint._errors import CheckpointException
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import GroupArg, ProcessGroup
 
 __all__ = ["Coordinator", "coordinator_for"]
 
@@ -51,7 +54,7 @@ class Coordinator:
 
 
 class GroupCoordinator(Coordinator):
-    def __init__(self, pg: Any) -> None:
+    def __init__(self, pg: ProcessGroup) -> None:
         self.pg = pg
         self.rank = pg.rank()
         self.size = pg.size()
@@ -105,7 +108,7 @@ class StoreCoordinator(Coordinator):
         return [json.loads(self.store.get(k)) for k in keys]
 
 
-def coordinator_for(process_group: Any, op: str) -> Coordinator:
+def coordinator_for(process_group: GroupArg, op: str) -> Coordinator:
     """The coordinator of ``process_group`` (default: the world; none: one process)."""
     if process_group is None and _world.current_world(required=False) is None:
         return Coordinator()

@@ -13,11 +13,14 @@ Example::
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ringlet.checkpoint._api import DefaultLoadPlanner, DefaultSavePlanner, load, save
 from ringlet.checkpoint._metadata import Metadata
 from ringlet.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import GroupArg
 
 __all__ = ["load_state_dict", "save_state_dict"]
 
@@ -30,8 +33,8 @@ def _check_coordinator(coordinator_rank: Any, where: str) -> None:
 
 
 def save_state_dict(state_dict: dict[str, Any], storage_writer: FileSystemWriter,
-                    process_group: Any = None, coordinator_rank: int = 0, no_dist: bool = False,
-                    planner: DefaultSavePlanner | None = None) -> Metadata:
+                    process_group: GroupArg = None, coordinator_rank: int = 0,
+                    no_dist: bool = False, planner: DefaultSavePlanner | None = None) -> Metadata:
     """Deprecated: :func:`~ringlet.checkpoint.save` with ``storage_writer`` given positionally.
 
     Warns ``FutureWarning`` (as torch does), then saves.  ``coordinator_rank`` is accepted
@@ -48,8 +51,8 @@ def save_state_dict(state_dict: dict[str, Any], storage_writer: FileSystemWriter
 
 
 def load_state_dict(state_dict: dict[str, Any], storage_reader: FileSystemReader,
-                    process_group: Any = None, coordinator_rank: int = 0, no_dist: bool = False,
-                    planner: DefaultLoadPlanner | None = None) -> None:
+                    process_group: GroupArg = None, coordinator_rank: int = 0,
+                    no_dist: bool = False, planner: DefaultLoadPlanner | None = None) -> None:
     """Deprecated: :func:`~ringlet.checkpoint.load` with ``storage_reader`` given positionally.
 
     Warns ``FutureWarning`` (as torch does), then loads into ``state_dict`` in place.

@@ -51,7 +51,7 @@ in ``_traceable.py``).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -67,6 +67,9 @@ from ringlet.dtensor._plan import (
 )
 from ringlet.dtensor._redistribute import redistribute_local
 from ringlet.dtensor._spec import DTensorSpec
+
+if TYPE_CHECKING:
+    from ringlet.mesh import DeviceMesh
 
 __all__ = ["dispatch", "torch_dispatch", "wrap_local"]
 
@@ -99,6 +102,8 @@ def torch_dispatch(cls: Any, func: Any, types: Any, args: tuple[Any, ...] = (),
     [Note: dispatch cache])."""
     if _is_compiling() and not _EAGER.active:   # torch.compile must not trace the dispatch
         return _eager_dispatch(cls, func, types, args, kwargs)
+    # Any: the decisions live in an attribute dtensor sets on the mesh ([Note: decisions per
+    # mesh]), read without a check; no mesh (None) raises the AttributeError caught below
     mesh: Any = None
     key: list[Any] = [func]
     largs: list[Any] = []
@@ -172,7 +177,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = N
     return torch_dispatch(DTensor, func, (), args, kwargs)
 
 
-def _same_mesh(mesh: Any, other: Any) -> Any:
+def _same_mesh(mesh: DeviceMesh | None, other: DeviceMesh) -> DeviceMesh:
     if mesh is None:
         return other
     if other != mesh:
@@ -180,7 +185,7 @@ def _same_mesh(mesh: Any, other: Any) -> Any:
     return mesh
 
 
-def _leaf(x: Any, key: list[Any], out: list[Any], mesh: Any) -> Any:
+def _leaf(x: Any, key: list[Any], out: list[Any], mesh: DeviceMesh | None) -> DeviceMesh | None:
     """Key and local value of an argument that is not a DTensor or an atom; returns the mesh."""
     t = type(x)
     if t is DTensor:
@@ -207,7 +212,8 @@ def _leaf(x: Any, key: list[Any], out: list[Any], mesh: Any) -> Any:
     return mesh
 
 
-def _move(moves: tuple[Any, ...], largs: list[Any], lkwargs: dict[str, Any], mesh: Any) -> None:
+def _move(moves: tuple[Any, ...], largs: list[Any], lkwargs: dict[str, Any],
+          mesh: DeviceMesh) -> None:
     for slot, j, src, dst, shape in moves:
         holder: Any = largs if isinstance(slot, int) else lkwargs
         if j < 0:

@@ -16,8 +16,6 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ringlet.mesh import DeviceMesh
@@ -25,7 +23,7 @@ from ringlet.mesh import DeviceMesh
 __all__ = ["is_rng_supported_mesh", "manual_seed"]
 
 
-def is_rng_supported_mesh(device_mesh: Any) -> bool:
+def is_rng_supported_mesh(device_mesh: DeviceMesh) -> bool:
     """Whether DTensor random ops work on ``device_mesh``: always (they use torch's default
     generator of the mesh's device type)."""
     if not isinstance(device_mesh, DeviceMesh):
@@ -34,7 +32,7 @@ def is_rng_supported_mesh(device_mesh: Any) -> bool:
     return True
 
 
-def manual_seed(seed: int, device_mesh: Any) -> None:
+def manual_seed(seed: int, device_mesh: DeviceMesh) -> None:
     """Seed the random numbers DTensor draws on this rank (``torch.manual_seed(seed)``).
 
     Every rank of ``device_mesh`` must call it with the same ``seed`` (not checked, as in torch).

@@ -27,7 +27,7 @@ import torch
 
 from ringlet import _env
 from ringlet.c10d import world as _world
-from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.group import GroupArg, ProcessGroup
 from ringlet.mesh import _registry
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
@@ -92,7 +92,7 @@ class DeviceMesh:
         self._hash = hash((device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()), names))
 
     @classmethod
-    def from_group(cls, group: Any, device_type: str, mesh: Any = None, *,
+    def from_group(cls, group: GroupArg, device_type: str, mesh: Any = None, *,
                    mesh_dim_names: tuple[str, ...] | None = None) -> DeviceMesh:
         """A 1-d mesh over an existing group (no new group is created, so
         members only may call it)."""
@@ -159,7 +159,7 @@ class DeviceMesh:
             raise ValueError(f"get_local_rank: rank {self._world_rank} is not part of {self!r}")
         return self._coord[axis]
 
-    def get_group(self, mesh_dim: int | str | None = None) -> Any:
+    def get_group(self, mesh_dim: int | str | None = None) -> ProcessGroup:
         """The process group of this rank along ``mesh_dim`` (may be omitted on a 1-d mesh).
 
         Returns ``GroupMember.NON_GROUP_MEMBER`` when the mesh does not contain this rank.
@@ -167,7 +167,7 @@ class DeviceMesh:
         pg = self._groups[self._axis(mesh_dim, "get_group")]
         return _world.GroupMember.NON_GROUP_MEMBER if pg is None else pg
 
-    def get_all_groups(self) -> list[Any]:
+    def get_all_groups(self) -> list[ProcessGroup]:
         """This rank's group along every axis, in axis order."""
         return [self.get_group(a) for a in range(self.ndim)]
 
@@ -418,13 +418,13 @@ def joined_world(device_type: str) -> Any:
     return w
 
 
-def compute_device(mesh: Any) -> torch.device:
+def compute_device(mesh: DeviceMesh) -> torch.device:
     """The device the ranks of ``mesh`` compute on: its type (``cuda``: the current CUDA device,
     which ``init_process_group(device_id=...)`` or ``torch.cuda.set_device`` chose).
 
     DTensor and ``fully_shard`` put tensors that are not there yet on this device, as torch does.
     """
-    kind = getattr(mesh, "device_type", "cpu")
+    kind = mesh.device_type
     if kind == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(kind)

@@ -31,7 +31,7 @@ from typing import Any, Self
 import torch
 
 from ringlet.c10d import all_reduce
-from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.group import GroupArg, ProcessGroup
 from ringlet.c10d.work import Work
 from ringlet.c10d.world import resolve_group
 
@@ -97,11 +97,11 @@ class Joinable(ABC):
 
     @property
     @abstractmethod
-    def join_process_group(self) -> Any:
+    def join_process_group(self) -> GroupArg:
         """Process group (or None for the default group) the object communicates on."""
 
 
-def _member_group(group: Any, what: str) -> ProcessGroup:
+def _member_group(group: GroupArg, what: str) -> ProcessGroup:
     pg = resolve_group(group)
     if pg is None:
         raise ValueError(f"Join: expected {what} to be a group this rank is a member "

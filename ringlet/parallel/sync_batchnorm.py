@@ -25,7 +25,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ringlet.c10d import all_gather_into_tensor, all_reduce
 from ringlet.c10d import world as _world
-from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.group import GroupArg, ProcessGroup
 
 __all__ = ["SyncBatchNorm"]
 
@@ -146,9 +146,8 @@ class SyncBatchNorm(_BatchNorm):
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, track_running_stats: bool = True, process_group: Any = None,
-                 device: Any = None,
-                 dtype: Any = None) -> None:
+                 affine: bool = True, track_running_stats: bool = True,
+                 process_group: GroupArg = None, device: Any = None, dtype: Any = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device,
                          dtype=dtype)
         self.process_group = process_group
@@ -206,7 +205,7 @@ class SyncBatchNorm(_BatchNorm):
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module,
-                               process_group: Any = None) -> torch.nn.Module:
+                               process_group: GroupArg = None) -> torch.nn.Module:
         """Replace every ``BatchNorm*d`` in ``module`` (recursively) by a :class:`SyncBatchNorm`.
 
         The new layers share the old ones' parameters (so ``requires_grad`` and an

@@ -21,7 +21,7 @@ import torch
 from torch.optim import Optimizer
 
 from ringlet.c10d import broadcast, gather_object
-from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.group import GroupArg, ProcessGroup
 from ringlet.c10d.world import resolve_group
 from ringlet.parallel.join import Join, Joinable, JoinHook
 
@@ -93,7 +93,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[Optimizer],
-                 process_group: Any = None, parameters_as_bucket_view: bool = False,
+                 process_group: GroupArg = None, parameters_as_bucket_view: bool = False,
                  overlap_with_ddp: bool = False,
                  **defaults: Any) -> None:
         if overlap_with_ddp:
@@ -303,7 +303,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self.param_groups[0]["params"][0].device
 
     @property
-    def join_process_group(self) -> Any:
+    def join_process_group(self) -> ProcessGroup:
         return self._pg
 
     def __repr__(self) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as tdist
@@ -24,6 +24,9 @@ import torch.distributed as tdist
 import ringlet.c10d as rc
 from ringlet.c10d.reduce_op import ReduceOp
 from ringlet.torch_backend._work import DoneWork, GroupedWork, QueuedWork
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import ProcessGroup
 
 __all__ = ["BACKEND_NAME", "RingletProcessGroup"]
 
@@ -80,7 +83,7 @@ class RingletProcessGroup(tdist.ProcessGroup):
     transport), for inspection.
     """
 
-    def __init__(self, store: Any, ringlet_group: Any, default: bool = False) -> None:
+    def __init__(self, store: Any, ringlet_group: ProcessGroup, default: bool = False) -> None:
         super().__init__(ringlet_group.rank(), ringlet_group.size())
         self._store = store          # torch 2.13 routes only (rank, size) through its trampoline
         self.ringlet_group = ringlet_group

@@ -12,7 +12,10 @@ the default group.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import ProcessGroup
 
 __all__ = ["JobState", "job"]
 
@@ -23,7 +26,7 @@ class JobState:
     def __init__(self) -> None:
         self.store: Any = None
         self.watchdog: Any = None
-        self.groups: list[Any] = []
+        self.groups: list[ProcessGroup] = []
 
     def start(self, store: Any, rank: int) -> None:
         """The default group was created on ``store``: answer hang reports from now on."""
@@ -36,10 +39,10 @@ class JobState:
     def report_store(self, fallback: Any) -> Any:
         return self.store if self.store is not None else fallback
 
-    def add(self, pg: Any) -> None:
+    def add(self, pg: ProcessGroup) -> None:
         self.groups.append(pg)
 
-    def remove(self, pg: Any) -> None:
+    def remove(self, pg: ProcessGroup) -> None:
         if pg in self.groups:
             self.groups.remove(pg)
 

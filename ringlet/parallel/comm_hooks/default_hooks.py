@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from ringlet.c10d import all_reduce
-from ringlet.c10d.group import ProcessGroup
+from ringlet.c10d.group import GroupArg, ProcessGroup
 from ringlet.c10d.world import resolve_group
 
 __all__ = [
@@ -46,7 +46,7 @@ class GradBucketLike(Protocol):
 Hook = Callable[[Any, GradBucketLike], torch.futures.Future]
 
 
-def hook_group(process_group: Any, hook: str) -> ProcessGroup:
+def hook_group(process_group: GroupArg, hook: str) -> ProcessGroup:
     """The ProcessGroup a hook talks on (None: the default group), resolved on the calling thread.
 
     Resolved here, once, because later stages may run in future callbacks on the
@@ -71,7 +71,7 @@ def allreduce_average(pg: ProcessGroup, tensor: torch.Tensor) -> torch.futures.F
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def allreduce_hook(process_group: Any, bucket: GradBucketLike) -> torch.futures.Future:
+def allreduce_hook(process_group: GroupArg, bucket: GradBucketLike) -> torch.futures.Future:
     """Average the bucket's gradients across ``process_group`` (DDP's default behaviour).
 
     Args:
@@ -88,7 +88,7 @@ def allreduce_hook(process_group: Any, bucket: GradBucketLike) -> torch.futures.
     return allreduce_average(hook_group(process_group, "allreduce_hook"), bucket.buffer())
 
 
-def _compress_hook(dtype: torch.dtype, process_group: Any, bucket: GradBucketLike,
+def _compress_hook(dtype: torch.dtype, process_group: GroupArg, bucket: GradBucketLike,
                    name: str) -> torch.futures.Future:
     pg = hook_group(process_group, name)
     buffer = bucket.buffer()
@@ -103,7 +103,7 @@ def _compress_hook(dtype: torch.dtype, process_group: Any, bucket: GradBucketLik
     return work.get_future().then(decompress)
 
 
-def fp16_compress_hook(process_group: Any, bucket: GradBucketLike) -> torch.futures.Future:
+def fp16_compress_hook(process_group: GroupArg, bucket: GradBucketLike) -> torch.futures.Future:
     """Average the bucket in float16: half the bytes on the wire, ~3 significant digits.
 
     The buffer is cast to float16 and divided by the group size, summed across the
@@ -116,7 +116,7 @@ def fp16_compress_hook(process_group: Any, bucket: GradBucketLike) -> torch.futu
     return _compress_hook(torch.float16, process_group, bucket, "fp16_compress_hook")
 
 
-def bf16_compress_hook(process_group: Any, bucket: GradBucketLike) -> torch.futures.Future:
+def bf16_compress_hook(process_group: GroupArg, bucket: GradBucketLike) -> torch.futures.Future:
     """Like :func:`fp16_compress_hook` in bfloat16 (float32's range, ~2 significant digits)."""
     return _compress_hook(torch.bfloat16, process_group, bucket, "bf16_compress_hook")
 

@@ -31,13 +31,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ringlet.c10d import all_reduce
 from ringlet.c10d.work import Work
 from ringlet.parallel.comm_hooks.default_hooks import GradBucketLike, allreduce_average, hook_group
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import GroupArg, ProcessGroup
 
 __all__ = ["BucketPlan", "PowerSGDState", "plan_bucket", "powerSGD_hook"]
 
@@ -73,7 +76,7 @@ class PowerSGDState:
         model.register_comm_hook(state, powerSGD_hook)
     """
 
-    def __init__(self, process_group: Any, matrix_approximation_rank: int = 1,
+    def __init__(self, process_group: GroupArg, matrix_approximation_rank: int = 1,
                  start_powerSGD_iter: int = 1_000, min_compression_rate: float = 2,
                  use_error_feedback: bool = True,
                  warm_start: bool = True, orthogonalization_epsilon: float = 0,
@@ -306,7 +309,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucketLike) -> torch.futures
     return last.get_future().then(finish)
 
 
-def _start_low_rank(state: PowerSGDState, pg: Any, index: int, plan: BucketPlan,
+def _start_low_rank(state: PowerSGDState, pg: ProcessGroup, index: int, plan: BucketPlan,
                     views: list[torch.Tensor], buffer: torch.Tensor,
                     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], Work | None]:
     """P = M Q, all-reduce P (waited), orthonormalize, Q = Mᵀ P, start the all-reduce of Q."""

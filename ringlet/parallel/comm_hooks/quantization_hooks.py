@@ -17,12 +17,15 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ringlet.c10d import all_gather
 from ringlet.parallel.comm_hooks.default_hooks import GradBucketLike, hook_group
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import GroupArg
 
 __all__ = ["quantization_perchannel_hook", "quantization_pertensor_hook"]
 
@@ -47,7 +50,7 @@ def _dequantize(q: torch.Tensor, qp: torch.Tensor) -> torch.Tensor:
     return (q.double() - qp[:, 1:]) * qp[:, :1]
 
 
-def _quantized_average(process_group: Any, bucket: GradBucketLike, row: int | None,
+def _quantized_average(process_group: GroupArg, bucket: GradBucketLike, row: int | None,
                        name: str) -> torch.futures.Future:
     pg = hook_group(process_group, name)
     buffer = bucket.buffer()
@@ -77,13 +80,15 @@ def _quantized_average(process_group: Any, bucket: GradBucketLike, row: int | No
     return work.get_future().then(finish)
 
 
-def quantization_pertensor_hook(process_group: Any, bucket: GradBucketLike) -> torch.futures.Future:
+def quantization_pertensor_hook(process_group: GroupArg,
+                                bucket: GradBucketLike) -> torch.futures.Future:
     """Average the bucket sending 8-bit values with one scale per rank (see
     the module docstring)."""
     return _quantized_average(process_group, bucket, None, "quantization_pertensor_hook")
 
 
-def quantization_perchannel_hook(process_group: Any, bucket: GradBucketLike, bucket_size: int = 512
+def quantization_perchannel_hook(process_group: GroupArg, bucket: GradBucketLike,
+                                 bucket_size: int = 512
                                  ) -> torch.futures.Future:
     """Average the bucket sending 8-bit values with one scale per ``bucket_size`` elements."""
     if bucket_size < 1:

@@ -67,7 +67,7 @@ class BufferPool:
         self._lent: dict[int, tuple[_Key, torch.Tensor]] = {}   # data_ptr -> (key, pooled buffer)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device,
-             group: Any = None) -> torch.Tensor:
+             group: ProcessGroup | None = None) -> torch.Tensor:
         key = (dtype, device, id(group) if group is not None else 0)
         free = self._free.get(key)
         best = None

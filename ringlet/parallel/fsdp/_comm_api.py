@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import ProcessGroup
 
 __all__ = ["AllGather", "Comm", "ReduceScatter"]
 
@@ -47,8 +50,8 @@ class AllGather(Comm):
     into ``output_tensor`` in group-rank order (``all_gather_into_tensor`` semantics)."""
 
     @abc.abstractmethod
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
-                 async_op: bool = False) -> Any: ...
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: ProcessGroup, async_op: bool = False) -> Any: ...
 
 
 class ReduceScatter(Comm):
@@ -56,5 +59,5 @@ class ReduceScatter(Comm):
     reduce-scatter (``reduce_scatter_tensor`` semantics) with reduce op ``op``."""
 
     @abc.abstractmethod
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                 async_op: bool = False) -> Any: ...
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: ProcessGroup, op: Any, async_op: bool = False) -> Any: ...

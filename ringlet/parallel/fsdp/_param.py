@@ -18,7 +18,7 @@ see valid data again in backward and their version checks still pass.
 from __future__ import annotations
 
 import copy
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from ringlet.dtensor._api import make_dtensor, wrap_local
 from ringlet.parallel.fsdp._mesh_info import MeshInfo
 from ringlet.parallel.fsdp._shard_math import ParamSpec, shard_of
 from ringlet.parallel.fsdp._tp import TPLayout
+
+if TYPE_CHECKING:
+    from ringlet.mesh import DeviceMesh
 
 __all__ = ["FSDPParam"]
 
@@ -94,7 +97,7 @@ class FSDPParam:
         return self.tp.global_shape if self.tp is not None else self.spec.shape
 
     @property
-    def dtensor_mesh(self) -> Any:
+    def dtensor_mesh(self) -> DeviceMesh:
         return self.tp.spmd_mesh if self.tp is not None else self.mesh_info.mesh
 
     @property

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +31,9 @@ from ringlet.dtensor import DTensor, Replicate, Shard
 from ringlet.dtensor._shard_math import contiguous_strides, local_shape_and_offset
 from ringlet.dtensor._spec import DTensorSpec, Placements
 from ringlet.dtensor.placements import _StridedShard
+
+if TYPE_CHECKING:
+    from ringlet.mesh import DeviceMesh
 
 __all__ = ["TPLayout", "tp_layout"]
 
@@ -40,7 +43,7 @@ class TPLayout:
     """How one tensor-parallel parameter is laid out before and after fully_shard."""
 
     tp_spec: DTensorSpec          # the parameter as tensor parallelism made it (used for compute)
-    spmd_mesh: Any                # (fsdp axes..., tp axes...) of the common root mesh
+    spmd_mesh: DeviceMesh         # (fsdp axes..., tp axes...) of the common root mesh
     spmd_placements: Placements   # fsdp placements (maybe strided), then the TP ones
 
     @property
@@ -54,6 +57,8 @@ class TPLayout:
     def sharded_local_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's sharded piece (a view) of the *global* tensor ``full`` (no communication)."""
         coord = self.spmd_mesh.get_coordinate()
+        if coord is None:   # fully_shard runs on the mesh's ranks only
+            raise AssertionError(f"rank outside {self.spmd_mesh!r} holds a fully_shard parameter")
         shape, offset = local_shape_and_offset(self.global_shape, self.spmd_mesh.shape, coord,
                                                self.spmd_placements)
         for d, (n, o) in enumerate(zip(shape, offset)):
@@ -79,7 +84,7 @@ class TPLayout:
         return grad._local_tensor
 
 
-def _names(mesh: Any, what: str, fqn: str) -> tuple[str, ...]:
+def _names(mesh: DeviceMesh, what: str, fqn: str) -> tuple[str, ...]:
     names = mesh.mesh_dim_names
     if not names:
         raise ValueError(f"fully_shard: {fqn}: expected {what} with named axes "
@@ -88,7 +93,7 @@ def _names(mesh: Any, what: str, fqn: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def tp_layout(param: DTensor, fsdp_mesh: Any, fsdp_placements: Placements, shard_dim: int,
+def tp_layout(param: DTensor, fsdp_mesh: DeviceMesh, fsdp_placements: Placements, shard_dim: int,
               fqn: str) -> TPLayout:
     """The 2-d layout of tensor-parallel ``param`` under fully_shard on ``fsdp_mesh``.
 

@@ -15,12 +15,15 @@ tensors holding different values on each rank.)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ringlet.c10d.collectives import all_reduce
 from ringlet.c10d.reduce_op import ReduceOp
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import GroupArg
 
 __all__ = ["ShardedGradScaler"]
 
@@ -51,7 +54,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
                  backoff_factor: float = 0.5, growth_factor: float = 2.0,
                  growth_interval: int = 2000, enabled: bool = True,
-                 process_group: Any = None) -> None:
+                 process_group: GroupArg = None) -> None:
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          enabled=enabled)

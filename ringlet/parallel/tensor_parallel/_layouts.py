@@ -92,7 +92,7 @@ def grad_to_param_layout(param: torch.Tensor) -> None:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
-def check_mesh(mesh: Any, op: str) -> DeviceMesh:
+def check_mesh(mesh: object, op: str) -> DeviceMesh:
     """Tensor parallelism runs on a 1-d mesh (slice an n-d one: ``mesh["tp"]``)."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{op}: device_mesh: expected a DeviceMesh, got {type(mesh).__name__}")
