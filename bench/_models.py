@@ -2,6 +2,9 @@
 
 - :func:`mlp`: 4 x ``Linear(2500, 2500)`` with ReLU between them (25 M parameters, 100 MB of
   float32 gradients: communication-heavy for its compute).
+- :func:`wide_mlp`: ``Linear(2048, 4096)``, ``Linear(4096, 2048)``, ``Linear(2048, 4096)`` with
+  ReLU between them (25.2 M parameters, nearly all in three 32 MiB weight gradients: few, large
+  gradients, the last of which is ready only when backward ends).
 - :class:`GPT`: token + position embeddings, ``layers`` pre-LN transformer blocks (causal
   ``scaled_dot_product_attention``, 4x GELU MLP), a final LayerNorm and an untied output head;
   the defaults (d=384, 6 heads, 4 layers, seq 128, vocab 4096) have 10.3 M parameters.
@@ -11,11 +14,15 @@ Both come with a batch maker and a loss, so a benchmark step is ``loss(model, ba
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "gpt_batch", "gpt_loss", "mlp", "mlp_batch", "mlp_loss"]
+__all__ = ["GPT", "gpt_batch", "gpt_loss", "mlp", "mlp_batch", "mlp_loss", "wide_batch", "wide_mlp"]
+
+WIDE = (2048, 4096, 2048, 4096)
 
 
 def mlp(width: int = 2500, layers: int = 4) -> nn.Module:
@@ -30,6 +37,23 @@ def mlp(width: int = 2500, layers: int = 4) -> nn.Module:
 def mlp_batch(batch: int, width: int = 2500, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+
+
+def wide_mlp(widths: tuple[int, ...] = WIDE) -> nn.Module:
+    """``Linear(widths[k], widths[k + 1])`` layers with ReLU between them."""
+    if len(widths) < 2:
+        raise ValueError(f"wide_mlp: expected at least 2 widths, got {widths}")
+    mods: list[nn.Module] = []
+    for k, (a, b) in enumerate(itertools.pairwise(widths)):
+        mods += [nn.Linear(a, b)] + ([nn.ReLU()] if k < len(widths) - 2 else [])
+    return nn.Sequential(*mods)
+
+
+def wide_batch(batch: int, widths: tuple[int, ...] = WIDE,
+               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets for :func:`wide_mlp` (its loss is :func:`mlp_loss`)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, widths[0], generator=g), torch.randn(batch, widths[-1], generator=g)
 
 
 def mlp_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -2,15 +2,17 @@
 
 Usage::
 
-    python bench/ddp.py [--ranks 2] [--models mlp,gpt] [--steps 8] [--warmup 2] [--rounds 2]
+    python bench/ddp.py [--ranks 2] [--models mlp,wide,gpt] [--steps 8] [--warmup 2] [--rounds 2]
         [--caps 1,5,25,100] [--quick] [--loader-workers N [--loader-ms 100]] [--markdown out.md]
         [--op-timeout 300] [--timeout S]
 
 ``--ranks`` processes (forkserver, one torch thread each) join a ringlet default group (shm)
-and a torch gloo group (file:// rendezvous).  Models (``bench/_models.py``): (a) MLP: 4 x
-Linear(2500, 2500), batch 32 per rank; (b) GPT: 4 pre-LN blocks, d=384, 6 heads, seq 128, vocab
-4096, batch 8 per rank.  A step is forward, backward, AdamW ``step()`` and ``zero_grad()``,
-started together after a barrier.  Modes:
+and a torch gloo group (file:// rendezvous).  Models (``bench/_models.py``): (a) mlp: 4 x
+Linear(2500, 2500), batch 32 per rank, AdamW; (b) wide: Linear 2048 -> 4096 -> 2048 -> 4096,
+batch 16 per rank, SGD -- the same 25 M parameters in three large gradients, with far less
+compute per gradient byte (the communication-heavy case); (c) gpt: 4 pre-LN blocks, d=384, 6
+heads, seq 128, vocab 4096, batch 8 per rank, AdamW.  A step is forward, backward, the
+optimizer's ``step()`` and ``zero_grad()``, started together after a barrier.  Modes:
 
 - ``ringlet``: ringlet DDP with ``gradient_as_bucket_view=True`` (bucket_cap_mb 25);
 - ``ringlet copy``: ringlet DDP with default options;
@@ -42,8 +44,14 @@ Overlap, from the reducer's own statistics (``reducer.last_stats``) of each sync
 (communication hidden behind backward); "end of bwd" = time from the end of backward to the
 gradients being in ``.grad`` (launching the rest, waiting, copying); "exposed" = the
 synchronised step minus the no-sync step run next to it (median of the pairs): what
-communication costs the step.  For scale, the ``ringlet``
-mode's bucket sizes are also all-reduced back to back with no compute (median of 5).
+communication costs the step.  For scale, the ``ringlet`` mode's bucket sizes are also
+all-reduced back to back with no compute (median of 5), and once more each after copying a
+gradient-sized tensor into the bucket, as the ``ringlet`` mode does with every gradient.
+
+Floor: when every core runs a rank (2 ranks on 2 cores), the communication thread has no core
+of its own, so the reduction's CPU time cannot hide behind backward: the least a synchronised
+step can cost is the no-sync step plus the copies into the buckets and their all-reduces run
+alone.  The ``floor`` row is that sum; ``ringlet vs floor`` is the ``ringlet`` step over it.
 """
 
 from __future__ import annotations
@@ -64,8 +72,9 @@ import _loader
 import _models as models
 import torch
 
-MODELS = ("mlp", "gpt")
-BATCH = {"mlp": 32, "gpt": 8}
+MODELS = ("mlp", "wide", "gpt")
+BATCH = {"mlp": 32, "wide": 16, "gpt": 8}
+OPTIMIZER = {"mlp": "adamw", "wide": "sgd", "gpt": "adamw"}
 MAIN_CAP = 25
 MAIN_MODES = ("ringlet", "ringlet copy", "torch")
 
@@ -142,13 +151,23 @@ def _build(name: str) -> tuple[torch.nn.Module, Callable[..., torch.Tensor]]:
     torch.manual_seed(0)
     if name == "mlp":
         return models.mlp(), models.mlp_loss
+    if name == "wide":
+        return models.wide_mlp(), models.mlp_loss
     return models.GPT(), models.gpt_loss
 
 
 def _make_batch(name: str, seed: int) -> Any:
     if name == "mlp":
         return models.mlp_batch(BATCH[name], seed=seed)
+    if name == "wide":
+        return models.wide_batch(BATCH[name], seed=seed)
     return models.gpt_batch(BATCH[name], seed=seed)
+
+
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if OPTIMIZER[name] == "sgd":
+        return torch.optim.SGD(params, lr=1e-4)
+    return torch.optim.AdamW(params, lr=1e-4)
 
 
 def _wrap(mode: str, module: torch.nn.Module) -> torch.nn.Module:
@@ -183,7 +202,7 @@ class _Runner:
         self.plain, self.loss_fn = _build(name)
         self.batches = batches
         self.model = _wrap(mode, self.plain)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.opt = _optimizer(name, self.model.parameters())
         # per synced step: share done in backward, finalize s
         self.stats: list[tuple[float, float]] = []
 
@@ -236,9 +255,10 @@ def _interleaved(cfg: Config, name: str, modes: list[str],
             out[r.mode]["finalize"] = common.median([f for _, f in timed])
             if r.mode == "ringlet":
                 bufs = [_bucket_like(p.numel, p.dtype) for p in reducer.layout.plans]  # same sizes
-                comm = torch.tensor([_comm_alone(bufs)], dtype=torch.float64)
+                comm = torch.tensor([_comm_alone(bufs), _comm_alone(bufs, copy=True)],
+                                    dtype=torch.float64)
                 tdist.all_reduce(comm, op=tdist.ReduceOp.MAX)
-                out[r.mode]["comm"] = comm.item()
+                out[r.mode]["comm"], out[r.mode]["copy_comm"] = comm.tolist()
     return out
 
 
@@ -249,17 +269,23 @@ def _bucket_like(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return rdist.comm_buffer(numel, dtype).zero_()
 
 
-def _comm_alone(bufs: list[torch.Tensor]) -> float:
+def _comm_alone(bufs: list[torch.Tensor], copy: bool = False) -> float:
     """Seconds to all-reduce the bucket buffers back to back with nothing else running (median of
-    5)."""
+    5); with ``copy``, each after copying an ordinary tensor of its size into it (what DDP does
+    with a gradient that autograd made outside the bucket)."""
     import ringlet.distributed as rdist
 
     op = rdist._make_nccl_premul_sum(1.0 / rdist.get_world_size())   # DDP's own reduction
+    grads = [torch.ones_like(b) for b in bufs] if copy else []
     samples = []
     for _ in range(6):
         rdist.barrier()
         t0 = time.perf_counter()
-        works = [rdist.all_reduce(b, op=op, async_op=True) for b in bufs]
+        works = []
+        for k, b in enumerate(bufs):
+            if copy:
+                b.copy_(grads[k])
+            works.append(rdist.all_reduce(b, op=op, async_op=True))
         for w in works:
             if w is not None:
                 w.wait()
@@ -320,8 +346,20 @@ def _summarize(name: str, merged: dict[str, dict[str, Any]]) -> dict[str, Any]:
     plain = [t for mode in MAIN_MODES for t in merged[mode]["plain"]]
     nosync_vs_torch = common.median([p / t for mode in MAIN_MODES
                                      for p, t in zip(merged[mode]["plain"], torch_steps)])
+    floor = [p + merged["ringlet"]["copy_comm"] for p in merged["ringlet"]["plain"]]
     return {"model": name, "modes": merged, "nosync": common.median(plain),
-            "nosync_vs_torch": nosync_vs_torch}
+            "nosync_vs_torch": nosync_vs_torch, **floor_ratios(merged["ringlet"], floor)}
+
+
+def floor_ratios(ringlet: dict[str, Any], floor: list[float]) -> dict[str, float]:
+    """The floor's step (no-sync + copies and all-reduces alone, per no-sync step of the ringlet
+    mode), the floor over no-sync, and the ringlet step over the floor (paired, medians)."""
+    if len(floor) != len(ringlet["ddp"]) or not floor:
+        raise ValueError(f"floor_ratios: expected one floor per synchronised step, got "
+                         f"{len(floor)} for {len(ringlet['ddp'])}")
+    return {"floor_s": common.median(floor),
+            "floor_vs_nosync": common.median([f / p for f, p in zip(floor, ringlet["plain"])]),
+            "ringlet_vs_floor": common.median([d / f for d, f in zip(ringlet["ddp"], floor)])}
 
 
 # ---------------------------------------------------------------- report
@@ -335,6 +373,8 @@ def _rows(cfg: Config, r: dict[str, Any]) -> list[list[str]]:
         m = modes[mode]
         rows.append([mode, f"{m['ddp_s'] * 1e3:.1f}", f"{batch / m['ddp_s']:.1f}",
                      f"{m['vs_nosync']:.3f}x", f"{m['vs_torch']:.3f}x"])
+    rows.append(["floor", f"{r['floor_s'] * 1e3:.1f}", f"{batch / r['floor_s']:.1f}",
+                 f"{r['floor_vs_nosync']:.3f}x", ""])
     return rows
 
 
@@ -354,7 +394,10 @@ def _sweep_rows(cfg: Config, r: dict[str, Any]) -> list[list[str]]:
 def _overlap(r: dict[str, Any]) -> str:
     m = r["modes"]["ringlet"]
     comm, exposed = m["comm"], m["exposed"]
-    return (f"the buckets' all-reduces alone take {comm * 1e3:.1f} ms; in a ringlet step "
+    return (f"the buckets' all-reduces alone take {comm * 1e3:.1f} ms, "
+            f"{m['copy_comm'] * 1e3:.1f} ms with the copies into them; ringlet's step is "
+            f"{r['ringlet_vs_floor']:.3f}x the floor (no-sync + those {m['copy_comm'] * 1e3:.1f} "
+            f"ms, {r['floor_vs_nosync']:.3f}x no-sync); in a ringlet step "
             f"{m['done_share'] * 100:.0f}% of the gradient bytes were already reduced when "
             "backward ended, and the end of backward (rest of the all-reduces, waits, writing "
             f".grad) took {m['finalize'] * 1e3:.1f} ms; exposed communication (synchronised step - "
@@ -378,7 +421,8 @@ def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
     lines = [f"command: {common.command_line()}", f"date: {info['date']}",
              f"machine: nproc {info['nproc']}; {info['cpu']}; {info['os']}",
              f"software: torch {info['torch']}, python {info['python']}",
-             (f"setup: {cfg.ranks} ranks x 1 torch thread, ringlet shm vs torch gloo, AdamW, "
+             (f"setup: {cfg.ranks} ranks x 1 torch thread, ringlet shm vs torch gloo, "
+              f"optimizer {', '.join(f'{m} {OPTIMIZER[m]}' for m in cfg.models)}, "
               f"{cfg.warmup} warm-up + {cfg.steps} timed steps x {cfg.rounds} rounds per mode; "
               f"step = median of the slowest rank's step times")]
     if cfg.loader_workers:
