@@ -113,5 +113,5 @@ class _OnDynamoImport(importlib.abc.MetaPathFinder):
                 sys.meta_path.remove(self)
             _skip_code(self.code)
 
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_module
         return spec

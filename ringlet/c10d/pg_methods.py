@@ -99,7 +99,11 @@ class TorchGroupMethods:
     docstring)."""
 
     if TYPE_CHECKING:   # what the methods use of their host, ProcessGroup
+        backend: str
+
         def rank(self) -> int: ...
+
+        def destroy(self) -> None: ...
 
     def allreduce(self, tensors: Any, opts: AllreduceOptions | Any = None, op: Any = None) -> Any:
         t = _one(tensors, "allreduce", "tensors")
@@ -195,7 +199,7 @@ class TorchGroupMethods:
 
     def shutdown(self) -> None:
         """torch's name for a bounded teardown of this group (``destroy``)."""
-        self.destroy()  # type: ignore[attr-defined]
+        self.destroy()
 
     bound_device: Any = None     # init_process_group(device_id=...) (set on every group)
 
@@ -205,4 +209,4 @@ class TorchGroupMethods:
         return self.bound_device
 
     def _get_backend_name(self) -> str:
-        return self.backend  # type: ignore[attr-defined,no-any-return]
+        return self.backend

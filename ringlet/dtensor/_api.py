@@ -178,7 +178,7 @@ class DTensor(torch.Tensor):
         new = DTensor(copy.deepcopy(self._local_tensor, memo), self._spec,
                       requires_grad=self.requires_grad)
         if getattr(self, "_is_param", False):
-            new._is_param = True  # type: ignore[attr-defined]
+            new._is_param = True
         memo[id(self)] = new
         return new
 
@@ -337,14 +337,14 @@ def _grad_placements(pls: Placements) -> Placements:
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec,  # type: ignore[override]
+    def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec,
                 grad_pls: Placements) -> DTensor:
         ctx.spec = spec
         ctx.grad_pls = grad_pls
         return DTensor(local.detach(), spec, requires_grad=False)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None]:
         spec: DTensorSpec = ctx.spec
         if not isinstance(grad, DTensor):
             return grad, None, None
@@ -355,20 +355,20 @@ class _FromLocal(torch.autograd.Function):
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, dt: DTensor, grad_placements: Placements | None) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, dt: DTensor, grad_placements: Placements | None) -> torch.Tensor:
         ctx.spec = (dt._spec if grad_placements is None
                     else dt._spec.with_placements(grad_placements))
         return dt._local_tensor.view_as(dt._local_tensor)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:
         spec: DTensorSpec = ctx.spec
         return DTensor(grad, spec, requires_grad=False), None
 
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, dt: DTensor, pls: Placements, fwd_dtype: torch.dtype | None,  # type: ignore[override]
+    def forward(ctx: Any, dt: DTensor, pls: Placements, fwd_dtype: torch.dtype | None,
                 bwd_dtype: torch.dtype | None) -> DTensor:
         ctx.src = dt._spec
         ctx.bwd_dtype = bwd_dtype
@@ -385,7 +385,7 @@ class _Redistribute(torch.autograd.Function):
                        requires_grad=False)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None, None]:
         src: DTensorSpec = ctx.src
         if not isinstance(grad, DTensor):
             return grad, None, None, None

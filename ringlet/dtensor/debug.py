@@ -82,7 +82,7 @@ class CommCounts(dict):
         k = self._find(key)
         return 0 if k is None else dict.__getitem__(self, k)
 
-    def get(self, key: Any, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: Any, default: Any = None) -> Any:
         k = self._find(key)
         return default if k is None else dict.__getitem__(self, k)
 
@@ -115,7 +115,7 @@ class CommCounts(dict):
         eq = self.__eq__(other)
         return eq if eq is NotImplemented else not eq
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None
 
     def __reduce__(self) -> Any:          # op objects do not pickle: their names travel
         return (_from_names, (self.by_name(),))

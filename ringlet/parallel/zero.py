@@ -149,7 +149,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             d.update(_hyper(s))
 
     # -- stepping ------------------------------------------------------------------------
-    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:
         """Step this rank's shard with the local optimizer, then broadcast every shard.
 
         Returns what the local optimizer's ``step`` returned (the closure's loss).

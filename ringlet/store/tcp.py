@@ -455,7 +455,7 @@ def effective_token(store: Store) -> bytes | None:
     authenticate to the store can join the mesh.  ``PrefixStore`` layers are looked through.
     """
     while hasattr(store, "underlying_store"):
-        store = store.underlying_store   # type: ignore[attr-defined]
+        store = store.underlying_store
     return store._token if isinstance(store, TCPStore) else None
 
 

@@ -288,4 +288,4 @@ def reduction(op: RedOpType | Reduction, factor: float | None, dtype: torch.dtyp
     """
     if type(op) is Reduction:
         return op
-    return _resolve(op, factor, dtype, n)     # type: ignore[arg-type]
+    return _resolve(op, factor, dtype, n)

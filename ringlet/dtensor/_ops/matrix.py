@@ -52,10 +52,10 @@ def _product(call: OpCall, a: int, b: int, batch: int, bias: int | None = None) 
         raise AssertionError(f"{call.func}: expected DTensor operands")
     dts = [call.dts[s] for s in slots if s is not None]
     out_shape = list(dts[0].shape[:-1]) + [dts[1].shape[-1]]
-    strategies = mm_strategies(batch)
-    if bias is not None:
+    strategies: list[tuple[Placement, ...]] = list(mm_strategies(batch))
+    if bias is not None:    # (a, b, bias, out): the bias as the output broadcast to its shape
         bshape = list(dts[2].shape)
-        strategies = [s[:2] + (broadcast_req(s[2], bshape, out_shape), s[2]) for s in strategies]  # type: ignore
+        strategies = [s[:2] + (broadcast_req(s[2], bshape, out_shape), s[2]) for s in strategies]
     operands = [(d.placements, tuple(d.shape)) for d in dts]
     req, out = choose(call.mesh, operands, strategies)
     inputs = [d.placements for d in call.dts]
