@@ -45,13 +45,18 @@ Overlap, from the reducer's own statistics (``reducer.last_stats``) of each sync
 gradients being in ``.grad`` (launching the rest, waiting, copying); "exposed" = the
 synchronised step minus the no-sync step run next to it (median of the pairs): what
 communication costs the step.  For scale, the ``ringlet`` mode's bucket sizes are also
-all-reduced back to back with no compute (median of 5), and once more each after copying a
-gradient-sized tensor into the bucket, as the ``ringlet`` mode does with every gradient.
+all-reduced back to back with no compute (median of 5).
 
 Floor: when every core runs a rank (2 ranks on 2 cores), the communication thread has no core
 of its own, so the reduction's CPU time cannot hide behind backward: the least a synchronised
-step can cost is the no-sync step plus the copies into the buckets and their all-reduces run
-alone.  The ``floor`` row is that sum; ``ringlet vs floor`` is the ``ringlet`` step over it.
+step can cost is the no-sync step plus the copies of the gradients into shared memory and their
+all-reduces.  The ``no overlap`` mode measures exactly that, side by side with the others: a
+no-sync step whose backward is followed by, for each gradient in turn, a copy into a
+``comm_buffer`` and its all-reduce (DDP's op), on the main thread, with no DDP and no overlap;
+``.grad`` then holds the average.  "vs floor" = each step / the ``no overlap`` step of the same
+iteration (median).  "CPU vs no-sync" = the process's CPU time (all its threads) in each
+synchronised step / in the no-sync step next to it (the slowest rank's, median): what the
+step costs the machine, which other jobs' load moves far less than wall time.
 """
 
 from __future__ import annotations
@@ -76,7 +81,8 @@ MODELS = ("mlp", "wide", "gpt")
 BATCH = {"mlp": 32, "wide": 16, "gpt": 8}
 OPTIMIZER = {"mlp": "adamw", "wide": "sgd", "gpt": "adamw"}
 MAIN_CAP = 25
-MAIN_MODES = ("ringlet", "ringlet copy", "torch")
+NO_OVERLAP = "no overlap"
+MAIN_MODES = ("ringlet", "ringlet copy", "torch", NO_OVERLAP)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -171,6 +177,8 @@ def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 
 
 def _wrap(mode: str, module: torch.nn.Module) -> torch.nn.Module:
+    if mode == NO_OVERLAP:
+        return module
     if mode == "torch":
         from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -190,6 +198,30 @@ def _wrap(mode: str, module: torch.nn.Module) -> torch.nn.Module:
     return ddp
 
 
+class SerialReduction:
+    """The floor's reduction: after backward, each gradient in turn is copied into a shared
+    buffer of its own and all-reduced there (each rank's gradient times 1/world size, summed, as
+    DDP does), on the calling thread; ``.grad`` then is that buffer."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        import ringlet.distributed as rdist
+
+        self.params = [p for p in module.parameters() if p.requires_grad][::-1]
+        self.bufs = [rdist.comm_buffer(p.numel(), p.dtype).view(p.shape) for p in self.params]
+        self.op = rdist._make_nccl_premul_sum(1.0 / rdist.get_world_size())
+
+    def reduce(self) -> None:
+        import ringlet.distributed as rdist
+
+        for p, buf in zip(self.params, self.bufs):
+            if p.grad is None:
+                raise RuntimeError("no overlap: expected every parameter to have a gradient")
+            if p.grad is not buf:
+                buf.copy_(p.grad)
+            rdist.all_reduce(buf, op=self.op)
+            p.grad = buf
+
+
 class _Runner:
     """One model and optimizer; steps either through the DDP wrapper or on the bare module.
 
@@ -203,24 +235,30 @@ class _Runner:
         self.batches = batches
         self.model = _wrap(mode, self.plain)
         self.opt = _optimizer(name, self.model.parameters())
+        self.serial = SerialReduction(self.plain) if mode == NO_OVERLAP else None
         # per synced step: share done in backward, finalize s
         self.stats: list[tuple[float, float]] = []
 
-    def step(self, synced: bool) -> float:
+    def step(self, synced: bool) -> tuple[float, float]:
+        """One step; returns its wall seconds and this process's CPU seconds (all threads)."""
         import ringlet.distributed as rdist
 
         rdist.barrier()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         batch = self.batches()
         self.loss_fn(self.model if synced else self.plain, batch).backward()
+        if synced and self.serial is not None:
+            self.serial.reduce()
         self.opt.step()
         self.opt.zero_grad()
         dt = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         stats = getattr(getattr(self.model, "reducer", None), "last_stats", None)
         if synced and stats is not None:
             self.stats.append((stats.bytes_done_in_backward / max(1, stats.bytes),
                                stats.finalize_s))
-        return dt
+        return dt, cpu
 
 
 def _interleaved(cfg: Config, name: str, modes: list[str],
@@ -236,17 +274,20 @@ def _interleaved(cfg: Config, name: str, modes: list[str],
     for _ in range(cfg.warmup):
         for r in runners:
             r.step(False), r.step(True)
-    times: dict[str, dict[str, list[float]]] = {m: {"plain": [], "ddp": []} for m in modes}
+    keys = ("plain", "ddp", "plain_cpu", "ddp_cpu")
+    times: dict[str, dict[str, list[float]]] = {m: {k: [] for k in keys} for m in modes}
     for i in range(cfg.steps):
         for k in range(len(runners)):
             r = runners[(i + k) % len(runners)]
             for synced in ((False, True) if i % 2 == 0 else (True, False)):
-                times[r.mode]["ddp" if synced else "plain"].append(r.step(synced))
+                wall, cpu = r.step(synced)
+                times[r.mode]["ddp" if synced else "plain"].append(wall)
+                times[r.mode]["ddp_cpu" if synced else "plain_cpu"].append(cpu)
     out: dict[str, dict[str, Any]] = {}
     for r in runners:
-        worst = torch.tensor([times[r.mode]["plain"], times[r.mode]["ddp"]], dtype=torch.float64)
+        worst = torch.tensor([times[r.mode][k] for k in keys], dtype=torch.float64)
         tdist.all_reduce(worst, op=tdist.ReduceOp.MAX)          # each step: the slowest rank
-        out[r.mode] = {"plain": worst[0].tolist(), "ddp": worst[1].tolist()}
+        out[r.mode] = dict(zip(keys, worst.tolist()))
         reducer = getattr(r.model, "reducer", None)
         if reducer is not None and hasattr(reducer, "layout"):
             out[r.mode]["buckets"] = len(reducer.layout.plans)
@@ -255,10 +296,9 @@ def _interleaved(cfg: Config, name: str, modes: list[str],
             out[r.mode]["finalize"] = common.median([f for _, f in timed])
             if r.mode == "ringlet":
                 bufs = [_bucket_like(p.numel, p.dtype) for p in reducer.layout.plans]  # same sizes
-                comm = torch.tensor([_comm_alone(bufs), _comm_alone(bufs, copy=True)],
-                                    dtype=torch.float64)
+                comm = torch.tensor([_comm_alone(bufs)], dtype=torch.float64)
                 tdist.all_reduce(comm, op=tdist.ReduceOp.MAX)
-                out[r.mode]["comm"], out[r.mode]["copy_comm"] = comm.tolist()
+                out[r.mode]["comm"] = comm.item()
     return out
 
 
@@ -269,23 +309,17 @@ def _bucket_like(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return rdist.comm_buffer(numel, dtype).zero_()
 
 
-def _comm_alone(bufs: list[torch.Tensor], copy: bool = False) -> float:
+def _comm_alone(bufs: list[torch.Tensor]) -> float:
     """Seconds to all-reduce the bucket buffers back to back with nothing else running (median of
-    5); with ``copy``, each after copying an ordinary tensor of its size into it (what DDP does
-    with a gradient that autograd made outside the bucket)."""
+    5)."""
     import ringlet.distributed as rdist
 
     op = rdist._make_nccl_premul_sum(1.0 / rdist.get_world_size())   # DDP's own reduction
-    grads = [torch.ones_like(b) for b in bufs] if copy else []
     samples = []
     for _ in range(6):
         rdist.barrier()
         t0 = time.perf_counter()
-        works = []
-        for k, b in enumerate(bufs):
-            if copy:
-                b.copy_(grads[k])
-            works.append(rdist.all_reduce(b, op=op, async_op=True))
+        works = [rdist.all_reduce(b, op=op, async_op=True) for b in bufs]
         for w in works:
             if w is not None:
                 w.wait()
@@ -323,9 +357,9 @@ def _run_group(cfg: Config, name: str, group: list[str], rank: int, rnd: int,
                batches: Callable[[], Any], merged: dict[str, dict[str, Any]]) -> None:
     """One round of ``group``'s modes, merged into ``merged`` (mode -> samples and stats)."""
     for mode, res in _interleaved(cfg, name, group, batches).items():
-        m = merged.setdefault(mode, {"plain": [], "ddp": []})
-        m["plain"] += res.pop("plain")
-        m["ddp"] += res.pop("ddp")
+        m = merged.setdefault(mode, {"plain": [], "ddp": [], "plain_cpu": [], "ddp_cpu": []})
+        for key in ("plain", "ddp", "plain_cpu", "ddp_cpu"):
+            m[key] += res.pop(key)
         m.update(res)
         if rank == 0:
             print(f"  {name:<4} {mode:<16} round {rnd}: no-sync "
@@ -338,6 +372,8 @@ def _summarize(name: str, merged: dict[str, dict[str, Any]]) -> dict[str, Any]:
         m["plain_s"], m["ddp_s"] = common.median(m["plain"]), common.median(m["ddp"])
         # Paired ratios: each synced step against the no-sync step run right next to it.
         m["vs_nosync"] = common.median([d / p for d, p in zip(m["ddp"], m["plain"])])
+        # CPU seconds of the process (all its threads), which other jobs' load hardly moves.
+        m["cpu_vs_nosync"] = paired_ratio(m["ddp_cpu"], m["plain_cpu"])
         m["exposed"] = common.median([d - p for d, p in zip(m["ddp"], m["plain"])])
     torch_steps = merged["torch"]["ddp"]
     for mode in MAIN_MODES:      # same iteration, seconds apart: paired against torch's step
@@ -346,20 +382,18 @@ def _summarize(name: str, merged: dict[str, dict[str, Any]]) -> dict[str, Any]:
     plain = [t for mode in MAIN_MODES for t in merged[mode]["plain"]]
     nosync_vs_torch = common.median([p / t for mode in MAIN_MODES
                                      for p, t in zip(merged[mode]["plain"], torch_steps)])
-    floor = [p + merged["ringlet"]["copy_comm"] for p in merged["ringlet"]["plain"]]
+    for mode in MAIN_MODES:
+        merged[mode]["vs_floor"] = paired_ratio(merged[mode]["ddp"], merged[NO_OVERLAP]["ddp"])
     return {"model": name, "modes": merged, "nosync": common.median(plain),
-            "nosync_vs_torch": nosync_vs_torch, **floor_ratios(merged["ringlet"], floor)}
+            "nosync_vs_torch": nosync_vs_torch}
 
 
-def floor_ratios(ringlet: dict[str, Any], floor: list[float]) -> dict[str, float]:
-    """The floor's step (no-sync + copies and all-reduces alone, per no-sync step of the ringlet
-    mode), the floor over no-sync, and the ringlet step over the floor (paired, medians)."""
-    if len(floor) != len(ringlet["ddp"]) or not floor:
-        raise ValueError(f"floor_ratios: expected one floor per synchronised step, got "
-                         f"{len(floor)} for {len(ringlet['ddp'])}")
-    return {"floor_s": common.median(floor),
-            "floor_vs_nosync": common.median([f / p for f, p in zip(floor, ringlet["plain"])]),
-            "ringlet_vs_floor": common.median([d / f for d, f in zip(ringlet["ddp"], floor)])}
+def paired_ratio(steps: list[float], refs: list[float]) -> float:
+    """The median of ``steps[i] / refs[i]`` (steps of the same iteration, seconds apart)."""
+    if len(steps) != len(refs) or not steps:
+        raise ValueError(f"paired_ratio: expected as many reference steps as steps, got "
+                         f"{len(refs)} for {len(steps)}")
+    return common.median([s / r for s, r in zip(steps, refs)])
 
 
 # ---------------------------------------------------------------- report
@@ -369,12 +403,13 @@ def _rows(cfg: Config, r: dict[str, Any]) -> list[list[str]]:
     modes, batch = r["modes"], cfg.ranks * BATCH[r["model"]]
     rows = [["no-sync", f"{r['nosync'] * 1e3:.1f}", f"{batch / r['nosync']:.1f}", "1.000x",
              f"{r['nosync_vs_torch']:.3f}x"]]
+    rows[0] += ["", "1.000x"]
     for mode in MAIN_MODES:
         m = modes[mode]
-        rows.append([mode, f"{m['ddp_s'] * 1e3:.1f}", f"{batch / m['ddp_s']:.1f}",
-                     f"{m['vs_nosync']:.3f}x", f"{m['vs_torch']:.3f}x"])
-    rows.append(["floor", f"{r['floor_s'] * 1e3:.1f}", f"{batch / r['floor_s']:.1f}",
-                 f"{r['floor_vs_nosync']:.3f}x", ""])
+        rows.append([mode + (" (floor)" if mode == NO_OVERLAP else ""), f"{m['ddp_s'] * 1e3:.1f}",
+                     f"{batch / m['ddp_s']:.1f}", f"{m['vs_nosync']:.3f}x",
+                     f"{m['vs_torch']:.3f}x", f"{m['vs_floor']:.3f}x",
+                     f"{m['cpu_vs_nosync']:.3f}x"])
     return rows
 
 
@@ -394,10 +429,7 @@ def _sweep_rows(cfg: Config, r: dict[str, Any]) -> list[list[str]]:
 def _overlap(r: dict[str, Any]) -> str:
     m = r["modes"]["ringlet"]
     comm, exposed = m["comm"], m["exposed"]
-    return (f"the buckets' all-reduces alone take {comm * 1e3:.1f} ms, "
-            f"{m['copy_comm'] * 1e3:.1f} ms with the copies into them; ringlet's step is "
-            f"{r['ringlet_vs_floor']:.3f}x the floor (no-sync + those {m['copy_comm'] * 1e3:.1f} "
-            f"ms, {r['floor_vs_nosync']:.3f}x no-sync); in a ringlet step "
+    return (f"the buckets' all-reduces alone take {comm * 1e3:.1f} ms; in a ringlet step "
             f"{m['done_share'] * 100:.0f}% of the gradient bytes were already reduced when "
             "backward ended, and the end of backward (rest of the all-reduces, waits, writing "
             f".grad) took {m['finalize'] * 1e3:.1f} ms; exposed communication (synchronised step - "
@@ -410,7 +442,9 @@ def render(cfg: Config, results: list[dict[str, Any]], markdown: bool) -> str:
     for r in results:
         title = f"### {r['model']}" if markdown else f"== {r['model']} ({cfg.ranks} ranks) =="
         parts += [title, "",
-                  table(["mode", "step ms", "samples/s", "vs no-sync", "vs torch"], _rows(cfg, r)),
+                  table(["mode", "step ms", "samples/s", "vs no-sync", "vs torch", "vs floor",
+                         "CPU vs no-sync"],
+                        _rows(cfg, r)),
                   "", table(["bucket_cap_mb", "buckets", "step ms", "no-sync ms", "vs no-sync",
                          "done in bwd", "end of bwd ms", "exposed ms"], _sweep_rows(cfg, r)), "",
                   ("**Overlap:** " if markdown else "overlap: ") + _overlap(r), ""]

@@ -45,12 +45,31 @@ def test_wide_model_has_three_large_gradients_and_its_own_batch(bench) -> None:
                       torch.optim.SGD)
 
 
-def test_floor_ratios_pair_each_step_with_its_floor(bench) -> None:
-    ringlet = {"plain": [1.0, 2.0, 4.0], "ddp": [1.5, 2.2, 4.4]}
-    floor = [1.2, 2.2, 4.2]                      # no-sync + 0.2 s of copies and all-reduces
-    r = bench.floor_ratios(ringlet, floor)
-    assert r["floor_s"] == pytest.approx(2.2)
-    assert r["floor_vs_nosync"] == pytest.approx(1.1)          # median of 1.2, 1.1, 1.05
-    assert r["ringlet_vs_floor"] == pytest.approx(4.4 / 4.2)   # median of 1.25, 1.0, 1.048
-    with pytest.raises(ValueError, match="expected one floor per synchronised step, got 2 for 3"):
-        bench.floor_ratios(ringlet, floor[:2])
+def test_paired_ratio_pairs_each_step_with_its_reference(bench) -> None:
+    assert bench.paired_ratio([1.5, 2.2, 4.4], [1.2, 2.2, 4.2]) == pytest.approx(4.4 / 4.2)
+    with pytest.raises(ValueError, match="expected as many reference steps as steps, got 2 for 3"):
+        bench.paired_ratio([1.5, 2.2, 4.4], [1.2, 2.2])
+    assert "no overlap" in bench.MAIN_MODES
+
+
+def test_the_floors_serial_reduction_averages_the_gradients(bench) -> None:
+    from ringlet.testing import run_threads
+
+    def rank(r: int, n: int) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        serial = bench.SerialReduction(model)
+        out = []
+        for step in range(2):                       # twice: the buffers are reused
+            model(torch.full((1, 3), float(r + step))).sum().backward()
+            serial.reduce()
+            out.append(model.weight.grad.clone())
+            model.zero_grad()
+        return out
+
+    results = run_threads(rank, 2)
+    for step in range(2):
+        # d(sum)/dW = x per output row; ranks' x = r + step: average (0 + 1) / 2 + step
+        expected = torch.full((2, 3), 0.5 + step)
+        for r in range(2):
+            assert torch.equal(results[r][step], expected), (r, step, results[r][step])
