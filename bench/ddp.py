@@ -3,7 +3,8 @@
 Usage::
 
     python bench/ddp.py [--ranks 2] [--models mlp,wide,gpt] [--steps 8] [--warmup 2] [--rounds 2]
-        [--caps 1,5,25,100] [--quick] [--loader-workers N [--loader-ms 100]] [--markdown out.md]
+        [--caps 1,5,25,100] [--quick] [--loader-workers N [--loader-ms 100]] [--optimizer sgd]
+        [--markdown out.md]
         [--op-timeout 300] [--timeout S]
 
 ``--ranks`` processes (forkserver, one torch thread each) join a ringlet default group (shm)
@@ -23,7 +24,7 @@ optimizer's ``step()`` and ``zero_grad()``, started together after a barrier.  M
 - ``no-sync``: the same model without communication: a step on ``ddp.module`` (DDP's hooks
   stay idle unless DDP's own forward ran, in both libraries).
 
-Each mode has its own model (same seed) and optimizer.  The three main modes are timed
+Each mode has its own model (same seed) and optimizer.  The main modes are timed
 together: every timed iteration runs, for each mode in rotating order, one no-sync step and one
 synchronised step, so each mode and its own no-sync baseline share the machine's noise (the
 ratios hold on a busy machine; absolute times do not).  Each sweep cap is timed the same way on
@@ -98,6 +99,7 @@ class Config:
     markdown: str | None = None
     loader_workers: int = 0     # DataLoader(num_workers=...) per rank; 0: one fixed batch
     loader_ms: float = 100.0    # CPU milliseconds a worker spends on one batch
+    optimizer: str = ""         # "sgd" or "adamw" for every model; "": each model's own
 
     def __post_init__(self) -> None:
         if self.loader_workers < 0 or self.loader_ms < 0:
@@ -112,6 +114,8 @@ class Config:
         if self.steps < 1 or self.warmup < 0 or self.rounds < 1:
             raise ValueError(f"expected --steps >= 1, --warmup >= 0, --rounds >= 1, got "
                              f"{self.steps}, {self.warmup}, {self.rounds}")
+        if self.optimizer not in ("", "sgd", "adamw"):
+            raise ValueError(f"expected --optimizer sgd or adamw, got {self.optimizer!r}")
         if any(c <= 0 for c in self.caps):
             raise ValueError(f"expected positive --caps, got {self.caps}")
 
@@ -129,6 +133,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                    help="draw each step's batch from a DataLoader with N worker processes per rank")
     p.add_argument("--loader-ms", type=float, default=100.0,
                    help="with --loader-workers: CPU ms a worker spends making one batch")
+    p.add_argument("--optimizer", default="",
+                   help="sgd or adamw for every model (default: each model's own)")
     p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
     p.add_argument("--op-timeout", type=float, default=300.0, help="collective timeout, s")
     p.add_argument("--timeout", type=float, default=None, help="whole-run backstop, s")
@@ -144,7 +150,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
             if a.timeout is None else a.timeout
         return Config(ranks=a.ranks, models=names, steps=steps, warmup=a.warmup, rounds=rounds,
                       caps=caps, op_timeout=a.op_timeout, timeout=timeout, markdown=a.markdown,
-                      loader_workers=a.loader_workers, loader_ms=a.loader_ms)
+                      loader_workers=a.loader_workers, loader_ms=a.loader_ms,
+                      optimizer=a.optimizer)
     except ValueError as e:
         p.error(str(e))
         raise  # unreachable: p.error exits
@@ -170,8 +177,13 @@ def _make_batch(name: str, seed: int) -> Any:
     return models.gpt_batch(BATCH[name], seed=seed)
 
 
-def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
-    if OPTIMIZER[name] == "sgd":
+def optimizer_of(cfg: Config, name: str) -> str:
+    """The optimizer model ``name`` trains with: ``--optimizer``, else the model's own."""
+    return cfg.optimizer or OPTIMIZER[name]
+
+
+def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
         return torch.optim.SGD(params, lr=1e-4)
     return torch.optim.AdamW(params, lr=1e-4)
 
@@ -229,12 +241,12 @@ class _Runner:
     ran (both libraries), so the same parameters, gradients and optimizer state serve both.
     """
 
-    def __init__(self, name: str, mode: str, batches: Callable[[], Any]) -> None:
+    def __init__(self, name: str, mode: str, batches: Callable[[], Any], optimizer: str) -> None:
         self.mode = mode
         self.plain, self.loss_fn = _build(name)
         self.batches = batches
         self.model = _wrap(mode, self.plain)
-        self.opt = _optimizer(name, self.model.parameters())
+        self.opt = _optimizer(optimizer, self.model.parameters())
         self.serial = SerialReduction(self.plain) if mode == NO_OVERLAP else None
         # per synced step: share done in backward, finalize s
         self.stats: list[tuple[float, float]] = []
@@ -270,7 +282,7 @@ def _interleaved(cfg: Config, name: str, modes: list[str],
     """
     import torch.distributed as tdist
 
-    runners = [_Runner(name, m, batches) for m in modes]
+    runners = [_Runner(name, m, batches, optimizer_of(cfg, name)) for m in modes]
     for _ in range(cfg.warmup):
         for r in runners:
             r.step(False), r.step(True)
@@ -456,7 +468,7 @@ def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
              f"machine: nproc {info['nproc']}; {info['cpu']}; {info['os']}",
              f"software: torch {info['torch']}, python {info['python']}",
              (f"setup: {cfg.ranks} ranks x 1 torch thread, ringlet shm vs torch gloo, "
-              f"optimizer {', '.join(f'{m} {OPTIMIZER[m]}' for m in cfg.models)}, "
+              f"optimizer {', '.join(f'{m} {optimizer_of(cfg, m)}' for m in cfg.models)}, "
               f"{cfg.warmup} warm-up + {cfg.steps} timed steps x {cfg.rounds} rounds per mode; "
               f"step = median of the slowest rank's step times")]
     if cfg.loader_workers:

@@ -41,8 +41,12 @@ def test_wide_model_has_three_large_gradients_and_its_own_batch(bench) -> None:
     cfg = bench.parse_args([])
     assert cfg.models == ("mlp", "wide", "gpt")
     assert bench.BATCH["wide"] == 16
-    assert isinstance(bench._optimizer("wide", [torch.nn.Parameter(torch.ones(1))]),
+    assert bench.optimizer_of(cfg, "wide") == "sgd" and bench.optimizer_of(cfg, "mlp") == "adamw"
+    assert bench.optimizer_of(bench.parse_args(["--optimizer", "sgd"]), "mlp") == "sgd"
+    assert isinstance(bench._optimizer("sgd", [torch.nn.Parameter(torch.ones(1))]),
                       torch.optim.SGD)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--optimizer", "lamb"])
 
 
 def test_paired_ratio_pairs_each_step_with_its_reference(bench) -> None:
