@@ -25,6 +25,7 @@ LAYERS = {
     "ringlet.dtensor": 6,           # DTensor, placements, redistribution
     "ringlet.parallel": 7,          # DDP, Join, comm hooks, FSDP, TP, ZeRO, SyncBatchNorm, sampler
     "ringlet.checkpoint": 8,
+    "ringlet.ft": 8,                # replica-level fault tolerance (quorum, healing) over c10d
     "ringlet.distributed": 9, "ringlet.nn": 9, "ringlet.utils": 9,
 }
 FORBIDDEN = ("torch.distributed", "torch.nn.parallel")

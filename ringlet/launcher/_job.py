@@ -14,7 +14,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import BinaryIO
@@ -160,12 +160,14 @@ def _terminal_env(out: Sink, err: Sink, rank: int) -> dict[str, str]:
     return {"RINGLET_CONSOLE_TTY": "1", "COLUMNS": str(max(40, columns))}
 
 
-def worker_specs(run: Run, restart: int) -> list[WorkerSpec]:
-    """What each local worker of generation ``restart`` runs, with what, and
-    where its output goes."""
+def worker_specs(run: Run, restart: int, ranks: Collection[int] | None = None) -> list[WorkerSpec]:
+    """What each local worker of generation ``restart`` (only ``ranks``, if given) runs, with
+    what, and where its output goes."""
     config, specs = run.config, []
     for lr in range(config.nproc_per_node):
         rank = config.global_rank(lr)
+        if ranks is not None and rank not in ranks:
+            continue
         plan = stream_plan(config.local_rank_base + lr, config.log_dir, config.redirects,
                            config.tee, config.local_ranks_filter)
         paths = (log_paths(run.log_root, restart, config.local_rank_base + lr) if run.log_root
@@ -251,8 +253,9 @@ def prepare(config: LaunchConfig) -> int | None:
     return None
 
 
-def run_single(config: LaunchConfig) -> int:
-    """Host the store, then run and restart this node's workers (a one-node job)."""
+def run_single(config: LaunchConfig, supervise: Callable[[Run], int] | None = None) -> int:
+    """Host the store, then run and restart this node's workers (a one-node job) with
+    ``supervise`` (default: whole-job restarts)."""
     run_id = config.rdzv_id or secrets.token_hex(6)
     with Signals().installed() as signals, run_dir(None) as (rdir, token_file, token):
         try:
@@ -268,7 +271,7 @@ def run_single(config: LaunchConfig) -> int:
             except ValueError as err:   # nothing started yet
                 say(f"error: {err}")
                 return 2
-            return _supervise(Run(config=config, run_id=run_id, run_dir=rdir,
+            return (supervise or _supervise)(Run(config=config, run_id=run_id, run_dir=rdir,
                                   token_file=token_file, port=store.port, signals=signals,
                                   log_root=log_root))
         finally:

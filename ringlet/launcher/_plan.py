@@ -65,6 +65,8 @@ class LaunchConfig:
     heartbeat_timeout: float = 0.0  # kill a worker silent this long (s); 0 = off (_watch)
     local_rank_arg: str | None = None  # legacy launch: "--local-rank" passed as "--local-rank=N"
     torch_backend: bool = False  # --torch-backend: torch programs get "ringlet" as CPU default
+    restart_policy: str = "job"  # --restart-policy: "job" restarts everyone, "replica" the failed
+    replica_size: int = 1  # --replica-size: workers per replica (restarted together)
 
     def __post_init__(self) -> None:
         _check(bool(self.entrypoint), "a training script, module or command", repr(self.entrypoint))
@@ -92,6 +94,14 @@ class LaunchConfig:
         )
         _check(self.rdzv_timeout > 0, "--rdzv-timeout > 0", self.rdzv_timeout)
         _check(self.heartbeat_timeout >= 0, "--heartbeat-timeout >= 0", self.heartbeat_timeout)
+        _check(self.restart_policy in ("job", "replica"), "--restart-policy job or replica",
+               repr(self.restart_policy))
+        _check(self.replica_size >= 1 and self.local_size % self.replica_size == 0,
+               f"--replica-size dividing the workers per node ({self.local_size})",
+               self.replica_size)
+        _check(self.restart_policy == "job" or self.nnodes == 1,
+               "--nnodes 1 with --restart-policy replica (replica restarts run on one node)",
+               self.nnodes)
         parse_std(self.redirects, "--redirects")
         parse_std(self.tee, "--tee")
         parse_ranks_filter(self.local_ranks_filter)
@@ -213,6 +223,13 @@ def build_parser(legacy_launch: bool = False) -> argparse.ArgumentParser:
                    help="take nnodes/node rank/master address from Slurm (srun) or MPI (mpirun)")
     p.add_argument("--max-restarts", "--max_restarts", type=_int, default=0,
                    help="restart the whole group this many times after a failure (default 0)")
+    p.add_argument("--restart-policy", "--restart_policy", choices=("job", "replica"),
+                   default="job",
+                   help="job: a failure restarts every worker (default); replica: only the "
+                        "failed worker's replica restarts, the others go on (ringlet.ft)")
+    p.add_argument("--replica-size", "--replica_size", type=_int, default=1,
+                   help="workers per replica (a fully_shard/TP group restarted together; "
+                        "default 1)")
     p.add_argument("--monitor-interval", "--monitor_interval", type=_seconds, default=0.1,
                    help="seconds between the launcher's periodic checks (workers' exits and "
                         "signals wake it at once; default 0.1)")
@@ -324,6 +341,8 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str] | None = None,
                            else _env.heartbeat_timeout()),
         local_rank_arg=_legacy_local_rank(ns),
         torch_backend=getattr(ns, "torch_backend", False),
+        restart_policy=getattr(ns, "restart_policy", "job"),
+        replica_size=getattr(ns, "replica_size", 1),
         **cfg,  # type: ignore[arg-type]
     )
     config.check_reachable()
@@ -394,6 +413,11 @@ def worker_env(
     })
     if config.torch_backend:
         env["RINGLET_TORCH_DEFAULT"] = "1"     # read by the worker bootstrap (_worker.py)
+    if config.restart_policy == "replica" or config.replica_size > 1:    # read by ringlet.ft
+        env["RINGLET_REPLICA_SIZE"] = str(config.replica_size)
+        env["RINGLET_RESTART_POLICY"] = config.restart_policy
+        env["RINGLET_REPLICA_RESTART"] = str(restart_count if config.restart_policy == "replica"
+                                             else 0)
     if launcher_pid is not None:
         env["RINGLET_LAUNCHER_PID"] = str(launcher_pid)
     env.pop(HEARTBEAT_ENV, None)   # a worker's own workers must not beat for it by accident

@@ -86,6 +86,10 @@ class Reaper:
         self._foreign = {p for p, (pp, _s, _t) in process_table().items() if pp == me}
         self._known: dict[int, int] = {}   # descendant pid -> start time, recorded at teardown
 
+    def spare(self, pids: Iterable[int]) -> None:
+        """Never count ``pids`` as leftovers (workers of other replicas still running)."""
+        self._foreign |= set(pids)
+
     def record(self, workers: Iterable[int]) -> None:
         """Remember the workers' descendants (call before signalling the workers)."""
         table = process_table()

@@ -214,6 +214,11 @@ class Generation:
             return GenerationResult("failed", failures=self._failures(failed, out.hung, out.failed))
         return GenerationResult(out.state, signum=out.signum)  # type: ignore[arg-type]
 
+    def failures(self) -> tuple[WorkerFailure, ...]:
+        """The workers that have exited with an error so far, earliest first."""
+        idx = [i for i, w in enumerate(self.workers) if w.popen.poll() not in (None, 0)]
+        return self._failures([self.workers[i] for i in idx], {}, idx)
+
     @staticmethod
     def _failures(failed: list[Worker], hung: dict[int, float],
                   indices: list[int]) -> tuple[WorkerFailure, ...]:
@@ -237,11 +242,13 @@ class Generation:
             except (ProcessLookupError, PermissionError):
                 pass  # the group is already gone
 
-    def stop(self, grace_period: float) -> None:
+    def stop(self, grace_period: float, spare: Sequence[int] = ()) -> None:
         """SIGTERM, wait up to ``grace_period`` s, SIGKILL, reap; every step is bounded.  Then end
-        the workers' detached descendants and remove the segments their killing left behind."""
+        the workers' detached descendants and remove the segments their killing left behind.
+        ``spare``: the launcher's other children that keep running (other replicas' workers)."""
         pids = [w.pid for w in self.workers]
         reaper = self._reaper or Reaper()
+        reaper.spare(spare)
         reaper.record(pids)
         if any(w.popen.poll() is None for w in self.workers):
             self._signal_all(signal.SIGTERM)

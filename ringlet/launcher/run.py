@@ -40,6 +40,9 @@ launcher prints a summary of the first failure (rank, pid, exit code or signal, 
 traceback) and exits 1. SIGINT/SIGTERM to the launcher stop the workers the same way and
 the launcher exits 128 + signal number.
 
+``--restart-policy replica`` (with ``--replica-size``) restarts only the replica whose worker
+failed while the others go on (``_replicas``; the workers use ``ringlet.ft`` to heal it).
+
 Several nodes (``--nnodes N --node-rank R --master-addr A --master-port P``, or ``--from-env``
 under srun/mpirun): see ``_multinode`` ([Note: node rendezvous] in ``_nodes``) and
 [Note: run tokens] in ``_runtime``.
@@ -53,6 +56,7 @@ from collections.abc import Sequence
 from ringlet.launcher._job import prepare, run_single
 from ringlet.launcher._multinode import run_nodes
 from ringlet.launcher._plan import LaunchConfig, build_parser, parse_args
+from ringlet.launcher._replicas import supervise_replicas
 from ringlet.launcher._runtime import say
 
 __all__ = ["main", "run"]
@@ -65,7 +69,7 @@ def run(config: LaunchConfig) -> int:
         return refused
     if config.nnodes > 1:
         return run_nodes(config)
-    return run_single(config)
+    return run_single(config, supervise_replicas if config.restart_policy == "replica" else None)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
