@@ -109,7 +109,7 @@ def mixed(rank: int, n: int) -> int:
 def reuse(rank: int, n: int, steps: int = 6) -> dict[str, int]:
     """One buffer reduced again and again with new data, async and sync, with frees between:
     each result is exact and freed regions are reused (the heap does not grow)."""
-    heap = _transport().heap
+    heap = _transport().inplace.heap
     for step in range(steps):
         buf = dist.comm_buffer((BIG,))
         buf.fill_(float(rank + step))
@@ -161,7 +161,7 @@ def peer_fails_mid_op(rank: int, n: int, how: str) -> dict[str, Any]:
     """Rank 1 dies (``kill``) or is interrupted (``interrupt``) inside an in-place all_reduce:
     the others raise within the op timeout, the group is aborted, and freed buffers are
     quarantined."""
-    heap = _transport().heap
+    heap = _transport().inplace.heap
     buf = dist.comm_buffer(BIG).fill_(1.0)
     spare = dist.comm_buffer(BIG)                    # freed after the failure
     dist.all_reduce(buf)                             # one good round trip first

@@ -95,13 +95,13 @@ def train(rank: int, n: int, plain_ranks: tuple[int, ...] = (), steps: int = 4) 
 def _kill_in_reduce_scatter(rank: int, how: str) -> None:
     """Make ``rank`` fail inside its next in-place reduce-scatter, after the first round."""
     cls = arena_inplace.InplaceCollectives
-    real = cls._inplace_reduce_scatter
+    real = cls.reduce_scatter
 
     def failing(self: Any, *args: Any, **kwargs: Any) -> bool:
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise KeyboardInterrupt("interrupted inside an in-place reduce_scatter")
-    cls._inplace_reduce_scatter = failing if dist.get_rank() == rank else real  # type: ignore[method-assign]
+    cls.reduce_scatter = failing if dist.get_rank() == rank else real  # type: ignore[method-assign]
 
 
 def peer_dies_in_backward(rank: int, n: int, how: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Rank bodies of the peer-read all-reduce tests (module level: run_world pickles them by name).
 
 The groups run with ``RINGLET_SHM_PEER_READ_BYTES=4096`` (set by the tests), so that small
-tensors take the path; ``transport.peer_read_bytes = 0`` switches it off on one rank."""
+tensors take the path; ``transport.inplace.peer_read_bytes = 0`` switches it off on one rank."""
 
 from __future__ import annotations
 
@@ -57,14 +57,14 @@ def parity(rank: int, n: int) -> dict[str, Any]:
             data = _rand(numel, 100 * k + rank + numel, dtype).view(-1, 1)
             fast, plain = data.clone(), data.clone()
             dist.all_reduce(fast, op=op)
-            tr.peer_read_bytes = 0
+            tr.inplace.peer_read_bytes = 0
             dist.all_reduce(plain, op=op)
-            tr.peer_read_bytes = 4096
+            tr.inplace.peer_read_bytes = 4096
             if not torch.equal(fast, plain):
                 raise AssertionError(f"rank {rank}: {dtype} {op} numel {numel}: the peer-read "
                                      f"result differs from the slot path's")
             checked += 1
-    return {"checked": checked, "peer_reads": calls[0], "why_not": tr.reader.why_not}
+    return {"checked": checked, "peer_reads": calls[0], "why_not": tr.inplace.reader.why_not}
 
 
 _MODES = ("reads", "slots", "buffer")
@@ -79,7 +79,7 @@ def mixed(rank: int, n: int) -> int:
     for pattern in range(len(_MODES) ** n):
         modes = [_MODES[pattern // len(_MODES) ** r % len(_MODES)] for r in range(n)]
         mode = modes[rank]
-        tr.peer_read_bytes = 0 if mode == "slots" else 4096
+        tr.inplace.peer_read_bytes = 0 if mode == "slots" else 4096
         before = calls[0]
         t = dist.comm_buffer(NUMEL) if mode == "buffer" else torch.empty(NUMEL)
         t.fill_(rank + 1.0)
@@ -90,7 +90,7 @@ def mixed(rank: int, n: int) -> int:
         if ran != all(m == "reads" for m in modes):
             raise AssertionError(f"rank {rank} modes {modes}: peer reads ran: {ran}")
         done += 1
-    tr.peer_read_bytes = 4096
+    tr.inplace.peer_read_bytes = 4096
     return done
 
 

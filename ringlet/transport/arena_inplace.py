@@ -35,7 +35,7 @@ Mixed calls.  The ranks decide independently whether their own tensor is a buffe
 pass buffers and others ordinary tensors (or, for all_reduce, publish the descriptor ``PEER_READ``
 of [Note: peer-read all-reduce], which the rules below treat like a buffer's).  The ordinary
 algorithms check the peers' descriptor words after their first round
-(:meth:`InplaceCollectives._peers_inplace`); if any rank passed a buffer, or an in-place rank
+(:meth:`InplaceCollectives.peers_inplace`); if any rank passed a buffer, or an in-place rank
 sees a peer without one, every rank restarts the operation on the ordinary path from the next
 round (whatever was copied into a slot in round ``s0`` is simply
 written again).  A rank that errors or is interrupted in the middle of an in-place collective
@@ -45,7 +45,7 @@ aborts the group, so that no peer goes on reading a buffer that its owner may be
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -63,7 +63,8 @@ from ringlet.transport.reduce import Reduction
 if TYPE_CHECKING:
     from ringlet.transport.arena import Arena
 
-__all__ = ["DESC", "INPLACE_CHUNK_BYTES", "INPLACE_MIN_BYTES", "InplaceCollectives", "fold_into"]
+__all__ = ["DESC", "INPLACE_CHUNK_BYTES", "INPLACE_MIN_BYTES", "InplaceCollectives", "Rounds",
+           "fold_into"]
 
 DESC = 5                          # the slot-header word (int64) carrying the descriptor
 # at or below the slot path is as fast (measured: 22 vs 26 us at 64 KiB)
@@ -114,37 +115,54 @@ def blocks(lo: int, count: int, n: int, itemsize: int) -> list[tuple[int, int]]:
     return [(min(lo + r * sub, end), min(lo + (r + 1) * sub, end)) for r in range(n)]
 
 
-class InplaceCollectives:
-    """The in-place algorithms, mixed into ``ArenaTransport`` (see the module docstring)."""
+class Rounds(Protocol):
+    """What the in-place algorithms use of the transport that holds them: its round counter
+    (the last round completed) and one round ([Note: arena protocol] in ``arena.py``)."""
 
-    # Provided by ArenaTransport.
-    arena: Arena
-    heap: BufferHeap | None = None
-    reader: PeerReader | None = None     # set by the shm transport: [Note: peer-read all-reduce]
-    peer_read_bytes = 0                  # ordinary all_reduce from this size reads peers (0: never)
-    rank: int
-    world_size: int
     step: int
-    q: memoryview
-    _hdr_i: list[list[int]]
-    _ranks: list[int]
-    _plans: dict[tuple[int, torch.dtype, tuple[int, ...]], list] | None = None
-    _scratch: dict[torch.dtype, torch.Tensor] | None = None
 
-    def _sync(self, s: int, fp: tuple[int, int, int], chunk: int, ctx: OpContext) -> None:
-        raise NotImplementedError
+    def sync_round(self, s: int, fp: tuple[int, int, int], chunk: int, ctx: OpContext) -> None:
+        """Publish round ``s``, wait for every peer, check their fingerprints."""
 
-    @property
-    def _mixed(self) -> bool:
-        """Whether peers may publish descriptors (a heap, or peer reads): the ordinary algorithms
-        then look for them after their first round (see the module note)."""
-        return self.heap is not None or self.reader is not None
+
+class InplaceCollectives:
+    """The in-place algorithms of one rank's ``ArenaTransport``, which holds this object as
+    ``inplace`` (see the module docstring).  Its state is its own: the buffer heap, the peer
+    reader, the descriptor words of the arena's slot headers and the kept plans; of the transport
+    it uses only :class:`Rounds`."""
+
+    def __init__(self, arena: Arena, rounds: Rounds) -> None:
+        self.arena = arena
+        self.rounds = rounds
+        self.rank = arena.rank
+        self.world_size = n = arena.world_size
+        self.q = arena.q
+        self._hdr_i = [[arena.layout.slot_hdr_off(r, b) // 8 for b in (0, 1)] for r in range(n)]
+        self._ranks = list(range(n))
+        self.heap: BufferHeap | None = None
+        self.reader: PeerReader | None = None   # [Note: peer-read all-reduce]
+        self.peer_read_bytes = 0                # ordinary all_reduce from this size reads peers
+        self.mixed = False      # whether peers may publish descriptors: a heap, or peer reads
+        self._plans: dict[tuple[int, torch.dtype, tuple[int, ...]], list] | None = None
+        self._scratch: dict[torch.dtype, torch.Tensor] | None = None
+
+    def use_heap(self, heap: BufferHeap) -> None:
+        """Take ``heap`` (this group's buffer heap): its buffers then run in place."""
+        self.heap = heap
+        self.mixed = True
+
+    def use_reader(self, reader: PeerReader, nbytes: int) -> None:
+        """Read the peers' ordinary tensors of all_reduce from ``nbytes`` up (0: never)."""
+        self.reader = reader
+        self.peer_read_bytes = nbytes
+        self.mixed = True
 
     def buffer(self, nbytes: int) -> torch.Tensor | None:
+        """A buffer of ``nbytes`` from the heap, or None (no heap, or no room)."""
         heap = self.heap
         return None if heap is None else heap.allocate(nbytes)
 
-    def _close_heap(self) -> None:
+    def close(self) -> None:
         """Stop allocating and drop the views kept of the heap (its mapping then goes as soon as
         no buffer views it)."""
         self._plans = None
@@ -152,7 +170,7 @@ class InplaceCollectives:
             self.heap.close()
 
     # -- the protocol's pieces ---------------------------------------------------------------------
-    def _heap_offset(self, t: torch.Tensor, nbytes: int) -> int:
+    def offset(self, t: torch.Tensor, nbytes: int) -> int:
         """``t``'s offset in this rank's heap region, or -1 when the op (whose deciding size,
         the same on every rank, is ``nbytes``) takes the ordinary path whatever ``t`` is."""
         heap = self.heap
@@ -160,8 +178,11 @@ class InplaceCollectives:
             return -1
         return heap.offset_of(t)
 
-    def _peers_inplace(self, b: int) -> bool:
-        """After an ordinary first round in slot ``b``: whether some peer passed a buffer."""
+    def peers_inplace(self, b: int) -> bool:
+        """After an ordinary first round in slot ``b``: whether some peer passed a buffer (or
+        published ``PEER_READ``); always False when no peer can (see the module note)."""
+        if not self.mixed:
+            return False
         q = self.q
         for r in self._ranks:
             if q[self._hdr_i[r][b] + DESC]:
@@ -171,20 +192,20 @@ class InplaceCollectives:
     def _start(self, fp: tuple[int, int, int], off: int, ctx: OpContext) -> list[int] | None:
         """Round ``s0``: publish this rank's buffer offset; every rank's offset, or None when some
         rank passed an ordinary tensor (then every rank restarts on the ordinary path)."""
-        s = self.step + 1
+        s = self.rounds.step + 1
         b = s & 1
         q = self.q
         q[self._hdr_i[self.rank][b] + DESC] = off + 1
-        self._sync(s, fp, 0, ctx)
+        self.rounds.sync_round(s, fp, 0, ctx)
         descs = [q[self._hdr_i[r][b] + DESC] - 1 for r in self._ranks]
         return None if min(descs) < 0 else descs
 
     def _complete(self, fp: tuple[int, int, int], k: int, ctx: OpContext) -> None:
         """The completion round: afterwards no peer reads this rank's buffers."""
-        self._sync(self.step + 1, fp, k, ctx)
-        self._clear_desc()
+        self.rounds.sync_round(self.rounds.step + 1, fp, k, ctx)
+        self.clear_desc()
 
-    def _clear_desc(self) -> None:
+    def clear_desc(self) -> None:
         q, h = self.q, self._hdr_i[self.rank]
         q[h[0] + DESC] = 0
         q[h[1] + DESC] = 0
@@ -230,8 +251,7 @@ class InplaceCollectives:
             torch.mul(flat, red.pre, out=flat)
         return flat
 
-    def _inplace_all_reduce(self, buf: torch.Tensor, red: Reduction, off: int,
-                            ctx: OpContext) -> bool:
+    def all_reduce(self, buf: torch.Tensor, red: Reduction, off: int, ctx: OpContext) -> bool:
         """All-reduce a heap buffer in place; False when the peers did not all pass buffers (the
         pre-scale, if any, is then already applied: the caller continues with
         ``red.completing()``)."""
@@ -275,13 +295,13 @@ class InplaceCollectives:
                 plan.append((parts[me], parts, [p for r, p in enumerate(parts) if r != me]))
         return plan
 
-    def _peer_reads(self, nbytes: int) -> bool:
+    def peer_reads(self, nbytes: int) -> bool:
         """Whether an ordinary all_reduce of ``nbytes`` tries [Note: peer-read all-reduce]."""
         reader = self.reader
         return (reader is not None and 0 < self.peer_read_bytes <= nbytes <= PEER_READ_MAX_BYTES
                 and self.world_size > 1 and reader.usable())
 
-    def _peer_read_all_reduce(self, buf: torch.Tensor, red: Reduction, ctx: OpContext) -> bool:
+    def peer_read_all_reduce(self, buf: torch.Tensor, red: Reduction, ctx: OpContext) -> bool:
         """All-reduce an ordinary tensor by reading the peers' copies; False when some rank did
         not publish its tensor (the caller goes on with ``red.completing()``, as for a mixed
         in-place call)."""
@@ -290,18 +310,18 @@ class InplaceCollectives:
             raise AssertionError("peer reads without a reader")
         flat = self._prescaled(buf, red)
         fp = ctx.fingerprint()
-        s = self.step + 1
+        s = self.rounds.step + 1
         b = s & 1
         q, h = self.q, self._hdr_i[self.rank][b]
         q[h + PEER_ADDR] = flat.data_ptr()
         q[h + DESC] = PEER_READ
-        self._sync(s, fp, 0, ctx)
+        self.rounds.sync_round(s, fp, 0, ctx)
         if any(q[self._hdr_i[r][b] + DESC] != PEER_READ for r in self._ranks):
             return False
         addrs = [q[self._hdr_i[r][b] + PEER_ADDR] for r in self._ranks]
         scratch = self.arena.slot(self.rank, 0, flat.dtype)
         self._guarded("all_reduce", fp, ctx, lambda: peer_read_all_reduce(
-            reader, flat, addrs, lambda: self._sync(self.step + 1, fp, 1, ctx),
+            reader, flat, addrs, lambda: self.rounds.sync_round(self.rounds.step + 1, fp, 1, ctx),
             lambda k: self._private(k, flat.dtype),
             lambda out, parts: fold_into(red, out, parts, self.rank, scratch), ctx))
         return True
@@ -316,8 +336,20 @@ class InplaceCollectives:
             t = bufs[dtype] = torch.empty(k, dtype=dtype)
         return t[:k]
 
-    def _inplace_all_gather(self, inp: torch.Tensor, out: torch.Tensor, in_off: int,
-                            out_off: int, ctx: OpContext) -> bool:
+    def gather_offsets(self, inp: torch.Tensor, out: torch.Tensor, nbytes: int
+                       ) -> tuple[int, int] | None:
+        """Where an all_gather of ``nbytes`` per rank finds its input and output in the heap
+        (-1: not a buffer), or None when it takes the ordinary path: neither is a buffer, or the
+        input overlaps the output other than as this rank's block of it."""
+        if self.heap is None or nbytes <= INPLACE_MIN_BYTES:
+            return None
+        in_off, out_off = self.offset(inp, nbytes), self.offset(out, nbytes)
+        alias = (overlaps(inp, out)
+                 and inp.data_ptr() != out.view(-1)[self.rank * inp.numel():].data_ptr())
+        return None if (in_off < 0 and out_off < 0) or alias else (in_off, out_off)
+
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, in_off: int, out_off: int,
+                   ctx: OpContext) -> bool:
         """All-gather through the heap; False as for all_reduce.  When every rank's output is a
         buffer, each rank writes its input into block ``rank`` of every output (its source is
         local and hot); otherwise each rank copies every peer's contribution -- its input, or
@@ -343,8 +375,8 @@ class InplaceCollectives:
                     fo[r * N:(r + 1) * N].copy_(heap.view(r, descs[r] >> 1, N, fi.dtype))
         return self._in_place("all_gather", word, ctx, gather)
 
-    def _inplace_reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, red: Reduction,
-                                in_off: int, ctx: OpContext) -> bool:
+    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, red: Reduction, in_off: int,
+                       ctx: OpContext) -> bool:
         """Fold block ``rank`` of every peer's input buffer into ``out``;
         False as for all_reduce."""
         fi, fo = inp.view(-1), out.view(-1)

@@ -77,10 +77,11 @@ class InprocTransport(ArenaTransport):
         transport = cls(arena, threads)
         if heap is not None:
             q = arena.q
-            transport.heap = BufferHeap(heap[0], heap[1], rank, world_size, commit=None,
-                                        healthy=lambda: not q[H_ABORT], shared_mapping=True)
+            transport.inplace.use_heap(BufferHeap(heap[0], heap[1], rank, world_size, commit=None,
+                                                  healthy=lambda: not q[H_ABORT],
+                                                  shared_mapping=True))
         return transport
 
     def close(self) -> None:
         self.mark_departed()
-        self._close_heap()
+        self.inplace.close()

@@ -125,11 +125,10 @@ class ShmTransport(ArenaTransport):
             pids = [arena.q[arena.ctrl(r, C_PID)] for r in range(world_size)]
             transport = cls(arena, mm, pids)
             q = arena.q
-            transport.reader = PeerReader(rank, pids,
-                                          [q[arena.ctrl(r, C_TOKEN_AT)] for r in range(world_size)],
-                                          [q[arena.ctrl(r, C_TOKEN)] for r in range(world_size)],
-                                          token)
-            transport.peer_read_bytes = _env.shm_peer_read_bytes()
+            reader = PeerReader(rank, pids,
+                                [q[arena.ctrl(r, C_TOKEN_AT)] for r in range(world_size)],
+                                [q[arena.ctrl(r, C_TOKEN)] for r in range(world_size)], token)
+            transport.inplace.use_reader(reader, _env.shm_peer_read_bytes())
         except BaseException:
             os.close(fd)
             if rank == 0:
@@ -149,9 +148,9 @@ class ShmTransport(ArenaTransport):
         base = _heap_off(layout)
         memory = mmap.mmap(fd, self.world_size * region, offset=base)
         q = self.q
-        self.heap = BufferHeap(memory, region, self.rank, self.world_size,
-                               commit=file_commit(fd, base + self.rank * region),
-                               healthy=lambda: not q[H_ABORT])
+        self.inplace.use_heap(BufferHeap(memory, region, self.rank, self.world_size,
+                                         commit=file_commit(fd, base + self.rank * region),
+                                         healthy=lambda: not q[H_ABORT]))
 
     def close(self) -> None:
         """Mark this rank as departed and unmap (bounded; never waits for peers).
@@ -182,7 +181,7 @@ class ShmTransport(ArenaTransport):
             pass  # tensors that view the arena are still alive; the mapping goes with them
 
     def _close_heap(self) -> None:
-        super()._close_heap()       # before the arena's views go: a late free reads its flag
+        self.inplace.close()        # before the arena's views go: a late free reads its flag
         fd, self._heap_fd = self._heap_fd, -1
         if fd >= 0:
             os.close(fd)
