@@ -1,4 +1,5 @@
-"""Helpers shared by ringlet's benchmarks: sizes, rank worlds, statistics, tables, provenance.
+"""Helpers shared by ringlet's benchmarks: the command line, rank worlds (beside a torch gloo
+group), sizes, statistics, tables, provenance.
 
 Ranks are started by ``ringlet.testing.procs.run_world`` (a forkserver that preloads torch,
 children that die with the parent, bounded joins, SIGKILL on a hang, a TCPStore hosted by
@@ -8,6 +9,7 @@ script imports this module as ``_common`` (its own folder is first on ``sys.path
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import os
@@ -17,14 +19,60 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from datetime import timedelta
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 import torch
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 _UNITS = {"": 1, "B": 1, "K": KIB, "KB": KIB, "KIB": KIB, "M": MIB, "MB": MIB, "MIB": MIB,
           "G": GIB, "GB": GIB, "GIB": GIB}
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parser(doc: str | None, *, ranks: int | None = 2,
+           op_timeout: float | None = None) -> argparse.ArgumentParser:
+    """A benchmark's command line, described by the first paragraph of ``doc`` (the script's
+    docstring), with the options the benchmarks share: ``--ranks`` (default ``ranks``; None: the
+    script has no such option), ``--markdown FILE`` and, given the collectives' default timeout
+    ``op_timeout``, ``--op-timeout`` and ``--timeout`` (the whole run's backstop; default None:
+    the script derives it from its work)."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    if ranks is not None:
+        p.add_argument("--ranks", type=int, default=ranks)
+    p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
+    if op_timeout is not None:
+        p.add_argument("--op-timeout", type=float, default=op_timeout,
+                       help="collective timeout, s")
+        p.add_argument("--timeout", type=float, default=None, help="whole-run backstop, s")
+    return p
+
+
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None,
+          build: Callable[[argparse.Namespace], T]) -> T:
+    """Parse ``argv`` and ``build`` the run's configuration from it; a ``ValueError`` raised while
+    building (a bad value) is reported as a usage error naming it (exit status 2)."""
+    args = p.parse_args(argv)
+    try:
+        return build(args)
+    except ValueError as e:
+        p.error(str(e))
+        raise  # unreachable: p.error exits
+
+
+def names(text: str, option: str, known: Sequence[str]) -> tuple[str, ...]:
+    """A comma-separated list of names from ``known`` (``--ops a,b``); ``ValueError`` naming
+    ``option`` for an empty list or an unknown name."""
+    got = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not got or any(x not in known for x in got):
+        raise ValueError(f"expected {option} from {','.join(known)}, got {text!r}")
+    return got
 
 
 # ---------------------------------------------------------------- sizes
@@ -103,6 +151,36 @@ def run_ranks(n: int, fn: Callable[..., Any], *args: Any, backend: str, timeout:
         raise RuntimeError(str(e)) from None
 
 
+def run_beside_gloo(n: int, fn: Callable[..., Any], *args: Any, backend: str, timeout: float,
+                    op_timeout: float) -> list[Any] | None:
+    """:func:`run_ranks` of ``fn(rank, n, *args, gloo_init)``, where ``gloo_init`` lets each rank
+    join a torch gloo group too (:func:`gloo_group`: a FileStore in a temporary folder; gloo on
+    loopback unless ``GLOO_SOCKET_IFNAME`` says otherwise, as ringlet's shm is host-local).
+    Returns every rank's value, or None after printing why the run failed."""
+    env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    with tempfile.TemporaryDirectory(prefix="ringlet-bench-") as tmp:
+        try:
+            return run_ranks(n, fn, *args, f"file://{tmp}/gloo-store", backend=backend,
+                             timeout=timeout, op_timeout=op_timeout, env=env)
+        except RuntimeError as e:
+            print(f"benchmark failed: {e}", file=sys.stderr)
+            return None
+
+
+@contextlib.contextmanager
+def gloo_group(init: str, rank: int, n: int, op_timeout: float) -> Iterator[Any]:
+    """``torch.distributed``, joined to a gloo group of ``n`` ranks at ``init`` for the block (and
+    left after it)."""
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", init_method=init, rank=rank, world_size=n,
+                             timeout=timedelta(seconds=op_timeout))
+    try:
+        yield tdist
+    finally:
+        tdist.destroy_process_group()
+
+
 def _shm_segments() -> set[str]:
     from ringlet.transport.shm import SHM_DIR, SHM_PREFIX
 
@@ -149,6 +227,19 @@ def emit(render: Callable[[bool], str], preamble: Callable[[bool], str],
         with open(markdown_path, "w") as f:
             f.write(preamble(True) + "\n" + render(True))
         print(f"wrote {markdown_path}")
+
+
+def preamble(title: str, setup: Sequence[str], info: dict[str, str], markdown: bool) -> str:
+    """The lines heading a result: the command, date, machine and software (``info``, from
+    :func:`machine_info`), then the run's own ``setup`` lines; in Markdown, a list under the
+    heading ``title``."""
+    lines = [f"command: {command_line()}", f"date: {info['date']}",
+             f"machine: nproc {info['nproc']}; {info['cpu']}; {info['os']}",
+             f"software: torch {info['torch']}, python {info['python']}", *setup]
+    if not markdown:
+        return "\n".join(lines) + "\n"
+    lines[0] = f"command: `{command_line()}`"
+    return f"# {title}\n\n" + "\n".join(f"- {x}" for x in lines) + "\n"
 
 
 def provenance(setup: str) -> str:

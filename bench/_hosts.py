@@ -2,11 +2,12 @@
 
 The parent builds ``H`` hosts on one bridge (``tests/netns.py``'s ``SimNet``: 10.77.0.1..H, needs
 root and ``ip``) and starts ``--ranks`` processes per host with ``ip netns exec``; each runs
-:func:`worker` below.  Rank 0 hosts ringlet's TCPStore on host 0's address; every rank joins
-ringlet's default group (``auto``: shm within a host, tcp between hosts), a flat ``tcp`` group of
-the same ranks, and torch's gloo (its FileStore in the run's folder; gloo on the host's veth).
-Rank 0 writes the results as JSON for the parent, which kills and reaps every process and removes
-the namespaces whatever happens.
+:func:`worker` below, which measures with ``_collective_timing`` as the ranks of one host do (so
+this module and ``collectives.py`` do not import each other).  Rank 0 hosts ringlet's TCPStore
+on host 0's address; every rank joins ringlet's default group (``auto``: shm within a host, tcp
+between hosts), a flat ``tcp`` group of the same ranks, and torch's gloo (its FileStore in the
+run's folder; gloo on the host's veth).  Rank 0 writes the results as JSON for the parent, which
+kills and reaps every process and removes the namespaces whatever happens.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class _Grouped:
 
 
 def worker(rank: int, world: int, out: str, master: str) -> None:
-    import collectives
+    import _collective_timing as timing
     import torch
     import torch.distributed as tdist
 
@@ -98,7 +99,7 @@ def worker(rank: int, world: int, out: str, master: str) -> None:
 
     torch.set_num_threads(1)
     raw = json.loads((Path(out) / "cfg.json").read_text())
-    cfg = collectives.Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+    cfg = timing.Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
     td = timedelta(seconds=cfg.op_timeout)
     store = _store(rank, out, master)
     rdist.init_process_group("auto", store=store, rank=rank, world_size=world, timeout=td)
@@ -107,7 +108,7 @@ def worker(rank: int, world: int, out: str, master: str) -> None:
                              world_size=world, timeout=td)
     libs = {"auto": rdist, "tcp": _Grouped(rdist, flat), "gloo": tdist}
     try:
-        results = [collectives.bench_size(cfg, op, size, rank, world, libs)
+        results = [timing.bench_size(cfg, op, size, rank, world, libs)
                    for op in cfg.ops for size in cfg.sizes]
         if rank == 0:
             (Path(out) / "result.json").write_text(json.dumps(results))

@@ -167,13 +167,11 @@ def _summary(worlds: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=2)
+    p = common.parser(__doc__)
     p.add_argument("--mib", type=int, default=100, help="state size in MiB (float32)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per world")
     p.add_argument("--repeats", type=int, default=2, help="worlds per mode, in alternating order")
     p.add_argument("--no-sync", action="store_true", help="no fsync (both libraries)")
-    p.add_argument("--markdown", metavar="FILE")
     args = p.parse_args()
     worlds: dict[str, list[Any]] = {m: [] for m in MODES}
     # alternate the order: the disk's state is shared noise

@@ -4,22 +4,17 @@ Runs 1,000 small all_reduces (8 B and 4 KiB) on 2 ranks over shm with the check 
 (the default) and off (``RINGLET_CHECKS=0``), alternating worlds, and prints the
 median time per call of each and the overhead.
 
-    python bench/checks_overhead.py [--repeats 5] [--calls 1000]
+    python bench/checks_overhead.py [--repeats 5] [--calls 1000] [--markdown FILE]
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import sys
 import time
 
+import _common as common
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-
 from ringlet import c10d as dist
-from ringlet.testing.procs import raise_first, run_world
 
 
 def body(rank: int, n: int, calls: int, numel: int) -> float:
@@ -35,21 +30,28 @@ def body(rank: int, n: int, calls: int, numel: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, ranks=None)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--calls", type=int, default=1000)
     args = ap.parse_args()
     print(f"command: python bench/checks_overhead.py --repeats {args.repeats} --calls {args.calls}")
+    lines = []
     for numel, label in [(2, "8 B"), (1024, "4 KiB")]:
         times: dict[str, list[float]] = {"on": [], "off": []}
         for _ in range(args.repeats):
             for mode in ("on", "off"):
                 env = {"RINGLET_CHECKS": "1" if mode == "on" else "0"}
-                per_rank = raise_first(run_world(2, body, args.calls, numel, env=env, timeout=120))
+                per_rank = common.run_ranks(2, body, args.calls, numel, backend="shm", env=env,
+                                            timeout=120, op_timeout=60)
                 times[mode].append(max(per_rank))
-        on, off = statistics.median(times["on"]), statistics.median(times["off"])
-        print(f"all_reduce {label}: checks on {on * 1e6:.1f} us, off {off * 1e6:.1f} us, "
-              f"overhead {100 * (on / off - 1):+.1f}% (median of {args.repeats})")
+        on, off = common.median(times["on"]), common.median(times["off"])
+        lines.append(f"all_reduce {label}: checks on {on * 1e6:.1f} us, off {off * 1e6:.1f} us, "
+                     f"overhead {100 * (on / off - 1):+.1f}% (median of {args.repeats})")
+        print(lines[-1], flush=True)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(common.provenance(f"{args.repeats} repeats of {args.calls} calls") + "\n"
+                    + "\n".join(f"- {x}" for x in lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -54,26 +54,15 @@ Definitions (as in nccl-tests):
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any
 
 import _common as common
-import _floor
-import torch
+from _collective_timing import BUFFERS, OPS, TARGET_S, Config, rank_main
 
-OPS = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
-BUFFERS = ("plain", "arena")
-LIB_OF_BUFFERS = {"plain": "ringlet", "arena": "arena"}
-LIBS = ("ringlet", "gloo")
 FLOOR_MIN_BYTES = common.MIB    # the summary's fraction of the floor: sizes from here up
 QUICK_SIZES = (8, 4 * common.KIB, 64 * common.KIB, common.MIB, 16 * common.MIB)
-TARGET_S = 0.2            # one repeat's length per library and size
 SUMMARY_MIN_BYTES = 64 * common.KIB
 
 
@@ -86,58 +75,8 @@ def bus_factor(op: str, n: int) -> float:
     return 1.0
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-    ranks: int
-    ops: tuple[str, ...]
-    sizes: tuple[int, ...]      # nominal per-rank message sizes, bytes
-    repeats: int
-    backend: str                # ringlet's backend; gloo is always the peer
-    op_timeout: float           # seconds, both libraries' collective timeout
-    timeout: float              # seconds, the whole run's backstop
-    markdown: str | None = None
-    hosts: int = 1              # > 1: simulated hosts, --ranks per host (bench/_hosts.py)
-    load: int = 0               # busy processes running beside the ranks (--load)
-    link_rate: str | None = None    # --hosts: tc tbf rate of every host's link, e.g. "1gbit"
-    buffers: tuple[str, ...] = BUFFERS   # ringlet's tensors: ordinary, comm_buffer, or both
-    floor: bool = True              # measure the memory floor of every size
-
-    def __post_init__(self) -> None:
-        if self.hosts < 1 or self.ranks < (1 if self.hosts > 1 else 2):
-            raise ValueError("expected --ranks >= 2 (>= 1 per host with --hosts), got "
-                             f"{self.ranks}")
-        bad = [op for op in self.ops if op not in OPS]
-        if bad or not self.ops:
-            raise ValueError(f"expected --ops from {','.join(OPS)}, got {','.join(self.ops)!r}")
-        if not self.sizes:
-            raise ValueError("expected at least one size between --min-bytes and --max-bytes")
-        if self.repeats < 1:
-            raise ValueError(f"expected --repeats >= 1, got {self.repeats}")
-        if not self.buffers or any(b not in BUFFERS for b in self.buffers):
-            raise ValueError(f"expected --buffers from {','.join(BUFFERS)}, got "
-                             f"{','.join(self.buffers)!r}")
-        if self.op_timeout <= 0 or self.timeout <= 0:
-            raise ValueError(f"expected positive timeouts, got {self.op_timeout}, {self.timeout}")
-
-    @property
-    def libs(self) -> tuple[str, ...]:
-        if self.hosts > 1:
-            return ("auto", "tcp", "gloo")
-        return (*[LIB_OF_BUFFERS[b] for b in self.buffers], "gloo")
-
-    @property
-    def mine(self) -> tuple[str, ...]:
-        """The ringlet columns (every library but the peer, gloo)."""
-        return self.libs[:-1]
-
-    @property
-    def world(self) -> int:
-        return self.ranks * self.hosts
-
-
 def parse_args(argv: Sequence[str] | None = None) -> Config:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=2)
+    p = common.parser(__doc__, op_timeout=120.0)
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--min-bytes", type=common.parse_size, default=8)
     p.add_argument("--max-bytes", type=common.parse_size, default=256 * common.MIB)
@@ -157,153 +96,22 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--quick", action="store_true", help="only 8 B, 4 KiB, 64 KiB, 1 MiB, 16 MiB")
     p.add_argument("--load", type=int, default=0, metavar="N",
                    help="run N unrelated busy processes beside the ranks (a loaded machine)")
-    p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
-    p.add_argument("--op-timeout", type=float, default=120.0, help="collective timeout, s")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="whole-run backstop, s (default: 120 + 60 per op and size)")
-    a = p.parse_args(argv)
-    try:
-        if a.quick:
-            sizes = [s for s in QUICK_SIZES if a.min_bytes <= s <= a.max_bytes]
-        else:
-            sizes = common.size_sweep(a.min_bytes, a.max_bytes, a.factor)
-        ops = tuple(o.strip() for o in a.ops.split(",") if o.strip())
-        timeout = 120.0 + 60.0 * len(ops) * len(sizes) if a.timeout is None else a.timeout
-        return Config(ranks=a.ranks, ops=ops, sizes=tuple(sizes), repeats=a.repeats,
-                      backend="auto" if a.hosts > 1 else a.backend, op_timeout=a.op_timeout,
-                      timeout=timeout, markdown=a.markdown, hosts=a.hosts, link_rate=a.link_rate,
-                      load=a.load,
-                      buffers=tuple(b.strip() for b in a.buffers.split(",") if b.strip()),
-                      floor=not a.no_floor)
-    except ValueError as e:
-        p.error(str(e))
-        raise  # unreachable: p.error exits
+    return common.parse(p, argv, _config)
 
 
-# ---------------------------------------------------------------- in each rank
-
-
-def _rank_main(rank: int, n: int, cfg: Config, gloo_init: str) -> list[dict[str, Any]]:
-    """Body of each rank (ringlet's default group is already up): every op, every size."""
-    import torch.distributed as tdist
-
-    import ringlet.distributed as rdist
-
-    tdist.init_process_group("gloo", init_method=gloo_init, rank=rank, world_size=n,
-                             timeout=timedelta(seconds=cfg.op_timeout))
-    libs = {"ringlet": rdist, "arena": rdist, "gloo": tdist}
-    try:
-        return [bench_size(cfg, op, size, rank, n, libs) for op in cfg.ops for size in cfg.sizes]
-    finally:
-        tdist.destroy_process_group()
-
-
-def _buffers(op: str, size: int, n: int, alloc: Callable[[int], torch.Tensor] = torch.zeros
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the size-bytes tensor, the size/n one if the op has one); zeros stay zeros under SUM."""
-    count = max(1, size // 4)
-    if op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-        count = max(n, count // n * n)   # divisible by n: rounded down, as nccl-tests does
-        return alloc(count), alloc(count // n)
-    return alloc(count), None
-
-
-def _arena_zeros(count: int) -> torch.Tensor:
-    import ringlet.distributed as rdist
-
-    return rdist.comm_buffer(count).zero_()
-
-
-def _make_call(lib: Any, op: str, big: torch.Tensor,
-               small: torch.Tensor | None) -> Callable[[], Any]:
-    """One collective on ``lib`` (ringlet.distributed or torch.distributed: the same API)."""
-    if op == "all_reduce":
-        return lambda: lib.all_reduce(big)
-    if op == "broadcast":
-        return lambda: lib.broadcast(big, src=0)
-    # torch 2.13 deprecates the *_tensor names (a FutureWarning raised on every call, which
-    # would be timed); the *_single names are the same functions, in ringlet too.
-    if op == "all_gather_into_tensor":
-        gather = getattr(lib, "all_gather_single", lib.all_gather_into_tensor)
-        return lambda: gather(big, small)
-    scatter = getattr(lib, "reduce_scatter_single", lib.reduce_scatter_tensor)
-    return lambda: scatter(small, big)
-
-
-def _time_calls(lib: Any, call: Callable[[], Any], iters: int) -> tuple[float, float]:
-    """(mean seconds per call of ``iters`` back-to-back calls started together after a barrier,
-    the median of the calls timed one by one)."""
-    clock = time.perf_counter
-    lib.barrier()
-    stamps = [0.0] * (iters + 1)
-    stamps[0] = t0 = clock()
-    for i in range(iters):
-        call()
-        stamps[i + 1] = clock()
-    each = sorted(stamps[i + 1] - stamps[i] for i in range(iters))
-    return (stamps[-1] - t0) / iters, each[iters // 2]
-
-
-def _agree_iters(lib: Any, call: Callable[[], Any], size: int) -> int:
-    """Warm up, estimate the time per call, and agree on ``iters`` (slowest rank's estimate)."""
-    import torch.distributed as tdist
-
-    call()   # first touch: page faults, connections, arena slots
-    per_call, _ = _time_calls(lib, call, min(100, max(3, common.MIB // size)))
-    est = torch.tensor([per_call], dtype=torch.float64)
-    tdist.all_reduce(est, op=tdist.ReduceOp.MAX)   # gloo is the control plane for both
-    return common.iters_for(est.item(), TARGET_S)
-
-
-def bench_size(cfg: Config, op: str, size: int, rank: int, n: int,
-               libs: dict[str, Any]) -> dict[str, Any]:
-    """Time ``op`` at ``size`` on every library of ``libs`` (name -> module with torch's API)."""
-    import torch.distributed as tdist
-
-    names = list(cfg.libs)
-    tensors = {name: _buffers(op, size, n, _arena_zeros if name == "arena" else torch.zeros)
-               for name in names}
-    calls = {name: (libs[name], _make_call(libs[name], op, *tensors[name])) for name in names}
-    iters = {name: _agree_iters(lib, call, size) for name, (lib, call) in calls.items()}
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    each: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(cfg.repeats):
-        for name in names if rep % 2 == 0 else names[::-1]:
-            lib, call = calls[name]
-            mean, median = _time_calls(lib, call, iters[name])
-            samples[name].append(mean)
-            each[name].append(median)
-    worst = torch.tensor([samples[name] + each[name] for name in names], dtype=torch.float64)
-    tdist.all_reduce(worst, op=tdist.ReduceOp.MAX)   # each repeat: the slowest rank
-    big = tensors[names[0]][0]
-    result = {"op": op, "bytes": big.numel() * big.element_size(), "iters": iters,
-              "samples": {name: worst[i, :cfg.repeats].tolist() for i, name in enumerate(names)},
-              "calls": {name: worst[i, cfg.repeats:].tolist() for i, name in enumerate(names)}}
-    result["seconds"] = {name: common.median(result["samples"][name]) for name in names}
-    result["call"] = {name: common.median(result["calls"][name]) for name in names}
-    del tensors, calls
-    if cfg.floor:
-        result["floor"] = _floor.floor_seconds(op, result["bytes"], n, cfg.repeats, tdist.barrier,
-                                               _slowest)
-    if rank == 0:
-        _progress(result)
-    return result
-
-
-def _slowest(samples: list[float]) -> list[float]:
-    import torch.distributed as tdist
-
-    t = torch.tensor(samples, dtype=torch.float64)
-    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _progress(r: dict[str, Any]) -> None:
-    times = "  ".join(f"{name} {sec * 1e6:10.1f} us" for name, sec in r["seconds"].items())
-    if "floor" in r:
-        times += f"  floor {r['floor'] * 1e6:10.1f} us"
-    print(f"  {r['op']:<23} {common.format_size(r['bytes']):>9}  {times}",
-          file=sys.stderr, flush=True)
+def _config(a: argparse.Namespace) -> Config:
+    """The run's configuration (the default backstop: 120 s + 60 s per op and size)."""
+    if a.quick:
+        sizes = [s for s in QUICK_SIZES if a.min_bytes <= s <= a.max_bytes]
+    else:
+        sizes = common.size_sweep(a.min_bytes, a.max_bytes, a.factor)
+    ops = common.names(a.ops, "--ops", OPS)
+    timeout = 120.0 + 60.0 * len(ops) * len(sizes) if a.timeout is None else a.timeout
+    return Config(ranks=a.ranks, ops=ops, sizes=tuple(sizes), repeats=a.repeats,
+                  backend="auto" if a.hosts > 1 else a.backend, op_timeout=a.op_timeout,
+                  timeout=timeout, markdown=a.markdown, hosts=a.hosts, link_rate=a.link_rate,
+                  load=a.load, buffers=common.names(a.buffers, "--buffers", BUFFERS),
+                  floor=not a.no_floor)
 
 
 # ---------------------------------------------------------------- report
@@ -388,51 +196,39 @@ def render(cfg: Config, results: list[dict[str, Any]], markdown: bool) -> str:
 
 
 def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
-    lines = [f"command: {common.command_line()}", f"date: {info['date']}",
-             f"machine: nproc {info['nproc']}; {info['cpu']}; {info['os']}",
-             f"software: torch {info['torch']}, python {info['python']}",
-             (f"setup: {cfg.ranks} ranks, ringlet backend {cfg.backend} ({'/'.join(cfg.buffers)} "
-              f"tensors) vs gloo, float32, "
-              f"{cfg.repeats} repeats, ~{TARGET_S} s per repeat; latency = median over repeats "
-              f"of the slowest rank's mean time per call")]
-    if cfg.load:
-        lines.append(f"load: {cfg.load} unrelated busy process(es) spinning beside the ranks "
-                     "(--load)")
+    timing = (f"{cfg.repeats} repeats, ~{TARGET_S} s per repeat; latency = median over repeats "
+              "of the slowest rank's mean time per call")
+    setup = [(f"setup: {cfg.ranks} ranks, ringlet backend {cfg.backend} "
+              f"({'/'.join(cfg.buffers)} tensors) vs gloo, float32, {timing}")]
     if cfg.hosts > 1:
         link = f"links limited to {cfg.link_rate} (tc tbf)" if cfg.link_rate else "links unlimited"
-        lines[-1] = (f"setup: {cfg.hosts} simulated hosts (network namespaces, veth + bridge; "
-                     f"{link}) x {cfg.ranks} ranks; ringlet auto (shm within a host + tcp between) "
-                     f"vs a flat ringlet tcp group vs gloo, float32, {cfg.repeats} repeats, "
-                     f"~{TARGET_S} s per repeat; latency = median over repeats of the slowest "
-                     "rank's mean time per call")
-    if not markdown:
-        return "\n".join(lines) + "\n"
-    lines[0] = f"command: `{common.command_line()}`"
-    return "# ringlet collectives benchmark\n\n" + "\n".join(f"- {x}" for x in lines) + "\n"
-
-
-def _child_env() -> dict[str, str]:
-    # One host: gloo on loopback, as ringlet's shm is host-local (and needs no DNS).
-    return {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        setup = [(f"setup: {cfg.hosts} simulated hosts (network namespaces, veth + bridge; "
+                  f"{link}) x {cfg.ranks} ranks; ringlet auto (shm within a host + tcp between) "
+                  f"vs a flat ringlet tcp group vs gloo, float32, {timing}")]
+    if cfg.load:
+        setup.append(f"load: {cfg.load} unrelated busy process(es) spinning beside the ranks "
+                     "(--load)")
+    return common.preamble("ringlet collectives benchmark", setup, info, markdown)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     info = common.machine_info()
     print(preamble(cfg, info, markdown=False), flush=True)
-    with tempfile.TemporaryDirectory(prefix="ringlet-bench-") as tmp, common.busy_load(cfg.load):
-        try:
-            if cfg.hosts > 1:
-                import _hosts
+    with common.busy_load(cfg.load):
+        if cfg.hosts > 1:
+            import _hosts
 
-                values = [_hosts.run_hosts(cfg)]
-            else:
-                values = common.run_ranks(cfg.ranks, _rank_main, cfg, f"file://{tmp}/gloo-store",
-                                          backend=cfg.backend, timeout=cfg.timeout,
-                                          op_timeout=cfg.op_timeout, env=_child_env())
-        except RuntimeError as e:
-            print(f"benchmark failed: {e}", file=sys.stderr)
-            return 1
+            try:
+                values: list[Any] | None = [_hosts.run_hosts(cfg)]
+            except RuntimeError as e:
+                print(f"benchmark failed: {e}", file=sys.stderr)
+                values = None
+        else:
+            values = common.run_beside_gloo(cfg.ranks, rank_main, cfg, backend=cfg.backend,
+                                            timeout=cfg.timeout, op_timeout=cfg.op_timeout)
+    if values is None:
+        return 1
     common.emit(lambda md: render(cfg, values[0], markdown=md),
                 lambda md: preamble(cfg, info, markdown=md), cfg.markdown)
     return 0

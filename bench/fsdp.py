@@ -41,6 +41,7 @@ Memory per rank:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import resource
@@ -48,7 +49,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import _common as common
@@ -84,25 +84,21 @@ class Config:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=2)
+    p = common.parser(__doc__, op_timeout=300.0)
     p.add_argument("--steps", type=int, default=8, help="timed steps per mode and round")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
-    p.add_argument("--op-timeout", type=float, default=300.0, help="collective timeout, s")
-    p.add_argument("--timeout", type=float, default=None, help="backstop per world, s")
-    a = p.parse_args(argv)
-    try:
-        timeout = 120.0 + 30.0 * (a.steps + a.warmup) if a.timeout is None else a.timeout
-        return Config(ranks=a.ranks, steps=a.steps, warmup=a.warmup, rounds=a.rounds, batch=a.batch,
-                      modes=tuple(m.strip() for m in a.modes.split(",") if m.strip()),
-                      op_timeout=a.op_timeout, timeout=timeout, markdown=a.markdown)
-    except ValueError as e:
-        p.error(str(e))
-        raise  # unreachable: p.error exits
+    return common.parse(p, argv, _config)
+
+
+def _config(a: argparse.Namespace) -> Config:
+    """The run's configuration (``--timeout`` is the backstop of each world)."""
+    timeout = 120.0 + 30.0 * (a.steps + a.warmup) if a.timeout is None else a.timeout
+    return Config(ranks=a.ranks, steps=a.steps, warmup=a.warmup, rounds=a.rounds, batch=a.batch,
+                  modes=common.names(a.modes, "--modes", MODES), op_timeout=a.op_timeout,
+                  timeout=timeout, markdown=a.markdown)
 
 
 # ---------------------------------------------------------------- in each rank
@@ -168,13 +164,9 @@ def _rank_main(rank: int, n: int, cfg: Config, mode: str, gloo_init: str) -> dic
     import ringlet.distributed as rdist
 
     torch.set_num_threads(1)
-    tdist = None
-    if mode == "torch":
-        import torch.distributed as tdist
-
-        tdist.init_process_group("gloo", init_method=gloo_init, rank=rank, world_size=n,
-                                 timeout=timedelta(seconds=cfg.op_timeout))
-    try:
+    torch_group = (common.gloo_group(gloo_init, rank, n, cfg.op_timeout) if mode == "torch"
+                   else contextlib.nullcontext())
+    with torch_group:
         torch.manual_seed(0)
         model = models.GPT()
         ddp_bytes = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
@@ -194,9 +186,6 @@ def _rank_main(rank: int, n: int, cfg: Config, mode: str, gloo_init: str) -> dic
                 times.append(time.perf_counter() - t0)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return {"times": times, "bytes": nbytes, "ddp_bytes": ddp_bytes, "rss": rss}
-    finally:
-        if tdist is not None:
-            tdist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- driver

@@ -22,7 +22,6 @@ that the import loaded: none is expected (tests/test_import_light.py pins it).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -94,11 +93,10 @@ def measure(runs: int, pycache: str, root: str = ROOT) -> list[list[str]]:
 
 def main() -> None:
     """Measure, print the table (and write it as Markdown with ``--markdown``)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common.parser(__doc__, ranks=None)
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--ringlet-from", default=ROOT, metavar="DIR",
                    help="the directory holding the ringlet package to import (default: this one)")
-    p.add_argument("--markdown", default=None)
     args = p.parse_args()
     if args.runs < 1:
         p.error(f"--runs: expected at least 1, got {args.runs}")

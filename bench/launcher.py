@@ -15,7 +15,6 @@ machine's load hits both alike); the table gives each launcher's median and the 
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -51,10 +50,9 @@ def _launch(launcher: str, nproc: int, script: str, cwd: str) -> float:
 
 def main() -> None:
     """Measure, print the table (and write it as Markdown with ``--markdown``)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common.parser(__doc__, ranks=None)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--markdown", default=None)
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -100,22 +100,23 @@ def measure(rank: int, n: int, mode: str, store: str, cfg: dict[str, int]) -> li
     return chunks
 
 
+def _checked(a: argparse.Namespace) -> argparse.Namespace:
+    common.names(a.modes, "--modes", MODES)
+    if min(a.ranks, a.width, a.depth, a.batch, a.steps, a.rounds) < 1:
+        raise ValueError("expected every number >= 1")
+    return a
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=1)
+    p = common.parser(__doc__, ranks=1)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--depth", type=int, default=16)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=200, help="timed steps per mode and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, from the above")
-    p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
-    a = p.parse_args(argv)
-    modes = tuple(m.strip() for m in a.modes.split(","))
-    if not modes or any(m not in MODES for m in modes):
-        p.error(f"--modes: expected names from {', '.join(MODES)}, got {a.modes!r}")
-    if min(a.ranks, a.width, a.depth, a.batch, a.steps, a.rounds) < 1:
-        p.error("expected every number >= 1")
+    a = common.parse(p, argv, _checked)
+    modes = common.names(a.modes, "--modes", MODES)
     cfg = {"width": a.width, "depth": a.depth, "batch": a.batch, "steps": a.steps}
     got: dict[str, list[float]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,7 +17,6 @@ Two tables, every figure measured in the same processes, phases alternating per 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -135,8 +134,7 @@ def steps(rank: int, n: int, path: str, mode: str, cfg: dict[str, int]) -> float
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=2)
+    p = common.parser(__doc__)
     p.add_argument("--sizes", default="8,64K,1M,16M")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--width", type=int, default=256)
@@ -144,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--skip-steps", action="store_true", help="only the collectives table")
-    p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
     a = p.parse_args(argv)
     sizes = [common.parse_size(s) for s in a.sizes.split(",")]
     cfg = {"width": a.width, "depth": a.depth, "batch": a.batch, "steps": a.steps}

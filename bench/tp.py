@@ -37,10 +37,8 @@ import contextlib
 import dataclasses
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import _common as common
@@ -79,31 +77,26 @@ class Config:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=2)
+    p = common.parser(__doc__, op_timeout=300.0)
     p.add_argument("--plans", default=",".join(PLANS))
     p.add_argument("--steps", type=int, default=10, help="timed iterations per round")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--ops-only", action="store_true", help="only the dispatch table")
     p.add_argument("--quick", action="store_true", help="tp+sp only, 3 steps, 1 round")
-    p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
-    p.add_argument("--op-timeout", type=float, default=300.0, help="collective timeout, s")
-    p.add_argument("--timeout", type=float, default=None, help="whole-run backstop, s")
-    a = p.parse_args(argv)
-    try:
-        plans = tuple(x.strip() for x in a.plans.split(",") if x.strip())
-        steps, rounds = a.steps, a.rounds
-        if a.quick:
-            plans, steps, rounds = ("tp+sp",), 3, 1
-        timeout = (120.0 + 10.0 * len(plans) * rounds * (steps + a.warmup) if a.timeout is None
-                   else a.timeout)
-        return Config(ranks=a.ranks, plans=plans, steps=steps, warmup=a.warmup, rounds=rounds,
-                      ops_only=a.ops_only, op_timeout=a.op_timeout, timeout=timeout,
-                      markdown=a.markdown)
-    except ValueError as e:
-        p.error(str(e))
-        raise  # unreachable: p.error exits
+    return common.parse(p, argv, _config)
+
+
+def _config(a: argparse.Namespace) -> Config:
+    plans = common.names(a.plans, "--plans", PLANS)
+    steps, rounds = a.steps, a.rounds
+    if a.quick:
+        plans, steps, rounds = ("tp+sp",), 3, 1
+    timeout = (120.0 + 10.0 * len(plans) * rounds * (steps + a.warmup) if a.timeout is None
+               else a.timeout)
+    return Config(ranks=a.ranks, plans=plans, steps=steps, warmup=a.warmup, rounds=rounds,
+                  ops_only=a.ops_only, op_timeout=a.op_timeout, timeout=timeout,
+                  markdown=a.markdown)
 
 
 # ---------------------------------------------------------------- training steps (in each rank)
@@ -219,12 +212,8 @@ def _bench_plan(cfg: Config, plan: str, rank: int, n: int) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, n: int, cfg: Config, gloo_init: str) -> dict[str, Any]:
-    import torch.distributed as tdist
-
-    tdist.init_process_group("gloo", init_method=gloo_init, rank=rank, world_size=n,
-                             timeout=timedelta(seconds=cfg.op_timeout))
-    try:
-        out = {"plans": []}
+    with common.gloo_group(gloo_init, rank, n, cfg.op_timeout) as tdist:
+        out: dict[str, Any] = {"plans": []}
         for plan in cfg.plans:
             res = _bench_plan(cfg, plan, rank, n)
             if rank == 0:
@@ -236,8 +225,6 @@ def _rank_main(rank: int, n: int, cfg: Config, gloo_init: str) -> dict[str, Any]
         if rank == 0:
             out["local"] = _local_step_s(cfg.steps)
         return out
-    finally:
-        tdist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- dispatch cost (one process)
@@ -322,16 +309,10 @@ def render(cfg: Config, results: dict[str, Any], markdown: bool) -> str:
 
 
 def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
-    lines = [f"command: {common.command_line()}", f"date: {info['date']}",
-             f"machine: nproc {info['nproc']}; {info['cpu']}; {info['os']}",
-             f"software: torch {info['torch']}, python {info['python']}",
-             (f"setup: {cfg.ranks} ranks x 1 torch thread, ringlet shm vs torch gloo, model "
-              f"{MODEL}, batch {BATCH}, AdamW; {cfg.warmup} warm-up + {cfg.steps} timed iterations "
-              f"x {cfg.rounds} rounds")]
-    if not markdown:
-        return "\n".join(lines) + "\n"
-    lines[0] = f"command: `{common.command_line()}`"
-    return "# ringlet tensor-parallel benchmark\n\n" + "\n".join(f"- {x}" for x in lines) + "\n"
+    setup = (f"setup: {cfg.ranks} ranks x 1 torch thread, ringlet shm vs torch gloo, model "
+             f"{MODEL}, batch {BATCH}, AdamW; {cfg.warmup} warm-up + {cfg.steps} timed iterations "
+             f"x {cfg.rounds} rounds")
+    return common.preamble("ringlet tensor-parallel benchmark", [setup], info, markdown)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -340,16 +321,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(preamble(cfg, info, markdown=False), flush=True)
     results: dict[str, Any] = {}
     if not cfg.ops_only:
-        env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-        with tempfile.TemporaryDirectory(prefix="ringlet-bench-") as tmp:
-            try:
-                results = common.run_ranks(cfg.ranks, _rank_main, cfg, f"file://{tmp}/gloo-store",
-                                           backend="shm",
-                                           timeout=cfg.timeout,
-                                           op_timeout=cfg.op_timeout, env=env)[0]
-            except RuntimeError as e:
-                print(f"benchmark failed: {e}", file=sys.stderr)
-                return 1
+        values = common.run_beside_gloo(cfg.ranks, _rank_main, cfg, backend="shm",
+                                        timeout=cfg.timeout, op_timeout=cfg.op_timeout)
+        if values is None:
+            return 1
+        results = values[0]
     results["ops"] = dispatch_table()
     common.emit(lambda md: render(cfg, results, markdown=md),
                 lambda md: preamble(cfg, info, markdown=md), cfg.markdown)

@@ -119,8 +119,13 @@ def pinned(args: argparse.Namespace, env: dict[str, str]) -> list[list[str]]:
     return rows
 
 
+def _checked(a: argparse.Namespace) -> argparse.Namespace:
+    a.ops = _common.names(a.ops, "--ops", OPS)
+    return a
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _common.parser(__doc__, ranks=None)
     p.add_argument("--ops", default="all_reduce,all_gather_into_tensor")
     p.add_argument("--calls", type=int, default=20000)
     p.add_argument("--load", type=int, default=2, metavar="N", help="busy processes (unpinned)")
@@ -128,12 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pinned", action="store_true", help="ranks pinned to CPU 0")
     p.add_argument("--busy-cpus", default="1,1;0,1",
                    help="with --pinned: the busy processes' CPUs, per run, ';' between runs")
-    p.add_argument("--markdown", metavar="FILE")
-    args = p.parse_args(argv)
-    args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    bad = [o for o in args.ops if o not in OPS]
-    if bad:
-        p.error(f"--ops: expected some of {', '.join(OPS)}, got {', '.join(bad)}")
+    args = _common.parse(p, argv, _checked)
     if args.pinned and (os.cpu_count() or 1) < 2:
         p.error("--pinned: expected a machine with at least 2 CPUs")
     env = {"RINGLET_NO_FUTEX": "1" if args.no_futex else "0"}
