@@ -11,8 +11,9 @@ with ``compare_set`` so that exactly one is ever written, once:
 
 - every expected slot (the previous decision's members; in step rounds also the joiners that
   announced themselves under ``join``) has its record, or
-- the missing ones are dead: their heartbeat counter ``hb/<rid>.<pos>`` (bumped by a thread
-  every ``heartbeat/10`` s) has not moved for ``heartbeat`` seconds, or
+- the missing ones are dead: their process, on this host, is gone; or their heartbeat counter
+  ``hb/<uid>`` (bumped by a thread every ``heartbeat/10`` s) has not moved for ``heartbeat``
+  seconds; or they left (``gone/<uid>``, written by ``close``); or
 - ``join_timeout`` has passed (a replica too slow to arrive is treated as lost).
 
 Only complete replicas (every position present, same layout as the previous members) are
@@ -30,12 +31,14 @@ on, so that a member that dies while the groups form sends every member to the n
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from ringlet.c10d.rendezvous import host_key
 from ringlet.errors import DistError, DistStoreError
 
 __all__ = ["Decision", "JobFinished", "Member", "Quorum", "QuorumError"]
@@ -133,7 +136,10 @@ class Quorum:
         self._beater = threading.Thread(target=self._beat, name=f"ringlet-ft-hb-{self.slot}",
                                         daemon=True)
         self._beat_store.add(f"hb/{uid}", 1)
+        self._host = host_key()
+        self._beat_store.set(f"proc/{uid}", json.dumps([self._host, os.getpid()]))
         self._beat_store.set(f"uid/{self.slot}", uid)
+        self._procs: dict[str, tuple[str, int]] = {}
         self._beater.start()
 
     # -- liveness ---------------------------------------------------------------------------
@@ -157,7 +163,7 @@ class Quorum:
             return now - started < self.join_timeout
         if uid is not None and holder != uid:
             return False
-        if self.store.check([f"gone/{holder}"]):
+        if self.store.check([f"gone/{holder}"]) or self._exited(holder):
             return False
         value = self.store.add(f"hb/{holder}", 0)
         last, since = self._beats.get(holder, (-1, now))
@@ -165,6 +171,24 @@ class Quorum:
             self._beats[holder] = (value, now)
             return True
         return now - since < self.heartbeat
+
+    def _exited(self, uid: str) -> bool:
+        """Whether ``uid`` ran on this host and its process is gone (no heartbeat wait)."""
+        if uid not in self._procs:
+            if not self.store.check([f"proc/{uid}"]):
+                return False
+            host, pid = json.loads(self.store.get(f"proc/{uid}"))
+            self._procs[uid] = (host, int(pid))
+        host, pid = self._procs[uid]
+        if host != self._host:
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
 
     def close(self) -> None:
         """Stop beating and tell the others this member left on purpose."""
