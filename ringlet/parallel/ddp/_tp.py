@@ -174,7 +174,7 @@ def _local_param(dt: DTensor) -> nn.Parameter:
     return local
 
 
-def _show_grad(local: nn.Parameter) -> None:
+def _show_grad(local: torch.Tensor) -> None:
     """Give the DTensor parameter ``local._dp_view`` the DTensor of ``local.grad`` (same
     storage), or no gradient."""
     g = local.grad
@@ -185,7 +185,7 @@ def _show_grad(local: nn.Parameter) -> None:
     local._dp_grad_shown = shown  # type: ignore[attr-defined]
 
 
-def _pull_grad(local: nn.Parameter) -> None:
+def _pull_grad(local: torch.Tensor) -> None:
     """A gradient set on (or cleared from) the DTensor parameter since it was last shown
     becomes the local parameter's."""
     view = getattr(local, "_dp_view", None)

@@ -188,6 +188,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             join_work = self._pre_forward(training and self.require_backward_grad_sync)
             self._logging.forward_start()
         if self.device_ids:            # torch moves the inputs to device_ids[0]
+            if self.device is None:
+                raise AssertionError("DDP: device_ids given but no device planned")
             inputs, kwargs = move_to((inputs, kwargs), self.device)
         return inputs, kwargs, join_work
 
