@@ -28,10 +28,8 @@ import argparse
 import dataclasses
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import _common as common
@@ -60,10 +58,7 @@ class Config:
     def __post_init__(self) -> None:
         if self.ranks < 2:
             raise ValueError(f"expected --ranks >= 2, got {self.ranks}")
-        bad = [s for s in self.strategies if s not in STRATEGIES]
-        if bad or not self.strategies:
-            raise ValueError(f"expected --strategies from {','.join(STRATEGIES)}, got "
-                             f"{','.join(self.strategies)!r}")
+        common.names(",".join(self.strategies), "--strategies", STRATEGIES)
         if self.steps < 1 or self.warmup < 0 or self.rounds < 1:
             raise ValueError(f"expected --steps >= 1, --warmup >= 0, --rounds >= 1, got "
                              f"{self.steps}, {self.warmup}, {self.rounds}")
@@ -77,8 +72,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     from gpt.trainer import TrainConfig
 
     d = TrainConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=2)
+    p = common.parser(__doc__, op_timeout=300.0)
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--steps", type=int, default=30, help="timed iterations per round")
     p.add_argument("--warmup", type=int, default=5)
@@ -88,24 +82,20 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=getattr(d, flag))
     p.add_argument("--tiny", action="store_true",
                    help="smoke run: 1 block of width 32, batch 4 x 16, 1 warm-up + 2 steps")
-    p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
-    p.add_argument("--op-timeout", type=float, default=300.0, help="collective timeout, s")
-    p.add_argument("--timeout", type=float, default=None, help="whole-run backstop, s")
-    a = p.parse_args(argv)
+    return common.parse(p, argv, lambda a: _config(a, d.data_bytes))
+
+
+def _config(a: argparse.Namespace, data_bytes: int) -> Config:
     model = {flag: getattr(a, flag) for flag in _MODEL_FLAGS}
-    steps, warmup, rounds, data_bytes = a.steps, a.warmup, a.rounds, d.data_bytes
+    steps, warmup, rounds = a.steps, a.warmup, a.rounds
     if a.tiny:
         model, steps, warmup, rounds, data_bytes = dict(_TINY), 2, 1, 1, 64 << 10
-    strategies = tuple(x.strip() for x in a.strategies.split(",") if x.strip())
+    strategies = common.names(a.strategies, "--strategies", STRATEGIES)
     timeout = (120.0 + 20.0 * len(strategies) * rounds * (steps + warmup) if a.timeout is None
                else a.timeout)
-    try:
-        return Config(ranks=a.ranks, strategies=strategies, steps=steps, warmup=warmup,
-                      rounds=rounds, bf16=a.bf16, model=model, data_bytes=data_bytes,
-                      op_timeout=a.op_timeout, timeout=timeout, markdown=a.markdown)
-    except ValueError as e:
-        p.error(str(e))
-        raise  # unreachable: p.error exits
+    return Config(ranks=a.ranks, strategies=strategies, steps=steps, warmup=warmup,
+                  rounds=rounds, bf16=a.bf16, model=model, data_bytes=data_bytes,
+                  op_timeout=a.op_timeout, timeout=timeout, markdown=a.markdown)
 
 
 # ---------------------------------------------------------------- in each rank
@@ -173,11 +163,7 @@ def _bench_strategy(cfg: Config, strategy: str) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, n: int, cfg: Config, gloo_init: str) -> list[dict[str, Any]]:
-    import torch.distributed as tdist
-
-    tdist.init_process_group("gloo", init_method=gloo_init, rank=rank, world_size=n,
-                             timeout=timedelta(seconds=cfg.op_timeout))
-    try:
+    with common.gloo_group(gloo_init, rank, n, cfg.op_timeout):
         out = []
         for strategy in cfg.strategies:
             res = _bench_strategy(cfg, strategy)
@@ -187,8 +173,6 @@ def _rank_main(rank: int, n: int, cfg: Config, gloo_init: str) -> list[dict[str,
                       f"{res['ratio']:.3f}x", file=sys.stderr, flush=True)
             out.append(res)
         return out
-    finally:
-        tdist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- report
@@ -208,31 +192,20 @@ def render(cfg: Config, results: list[dict[str, Any]], markdown: bool) -> str:
 
 
 def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
-    lines = [f"command: {common.command_line()}", f"date: {info['date']}",
-             f"machine: nproc {info['nproc']}; {info['cpu']}; {info['os']}",
-             f"software: torch {info['torch']}, python {info['python']}",
-             (f"setup: {cfg.ranks} ranks x 1 torch thread, ringlet shm vs torch gloo, model "
-              f"{cfg.model}{', bf16' if cfg.bf16 else ''}, AdamW; {cfg.warmup} warm-up + "
-              f"{cfg.steps} timed iterations x {cfg.rounds} rounds, stacks alternating")]
-    if not markdown:
-        return "\n".join(lines) + "\n"
-    lines[0] = f"command: `{common.command_line()}`"
-    return "# train_gpt: ringlet vs torch\n\n" + "\n".join(f"- {x}" for x in lines) + "\n"
+    setup = (f"setup: {cfg.ranks} ranks x 1 torch thread, ringlet shm vs torch gloo, model "
+             f"{cfg.model}{', bf16' if cfg.bf16 else ''}, AdamW; {cfg.warmup} warm-up + "
+             f"{cfg.steps} timed iterations x {cfg.rounds} rounds, stacks alternating")
+    return common.preamble("train_gpt: ringlet vs torch", [setup], info, markdown)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     info = common.machine_info()
     print(preamble(cfg, info, markdown=False), flush=True)
-    env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-    with tempfile.TemporaryDirectory(prefix="ringlet-bench-") as tmp:
-        try:
-            values = common.run_ranks(cfg.ranks, _rank_main, cfg, f"file://{tmp}/gloo-store",
-                                      backend="shm", timeout=cfg.timeout,
-                                      op_timeout=cfg.op_timeout, env=env)
-        except RuntimeError as e:
-            print(f"benchmark failed: {e}", file=sys.stderr)
-            return 1
+    values = common.run_beside_gloo(cfg.ranks, _rank_main, cfg, backend="shm",
+                                    timeout=cfg.timeout, op_timeout=cfg.op_timeout)
+    if values is None:
+        return 1
     common.emit(lambda md: render(cfg, values[0], markdown=md),
                 lambda md: preamble(cfg, info, markdown=md), cfg.markdown)
     return 0
