@@ -65,12 +65,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import _common as common
@@ -121,8 +118,7 @@ class Config:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=2)
+    p = common.parser(__doc__, op_timeout=300.0)
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--steps", type=int, default=8, help="timed steps per mode and round")
     p.add_argument("--warmup", type=int, default=2)
@@ -135,26 +131,21 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                    help="with --loader-workers: CPU ms a worker spends making one batch")
     p.add_argument("--optimizer", default="",
                    help="sgd or adamw for every model (default: each model's own)")
-    p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
-    p.add_argument("--op-timeout", type=float, default=300.0, help="collective timeout, s")
-    p.add_argument("--timeout", type=float, default=None, help="whole-run backstop, s")
-    a = p.parse_args(argv)
-    try:
-        names = tuple(m.strip() for m in a.models.split(",") if m.strip())
-        caps = tuple(float(c) for c in a.caps.split(",") if c.strip())
-        steps, rounds = a.steps, a.rounds
-        if a.quick:
-            names, caps, steps, rounds = ("mlp",), (), 3, 1
-        n_modes = len(MAIN_MODES) + len(caps)
-        timeout = 120.0 + 2 * 12.0 * len(names) * n_modes * rounds * (steps + a.warmup) \
-            if a.timeout is None else a.timeout
-        return Config(ranks=a.ranks, models=names, steps=steps, warmup=a.warmup, rounds=rounds,
-                      caps=caps, op_timeout=a.op_timeout, timeout=timeout, markdown=a.markdown,
-                      loader_workers=a.loader_workers, loader_ms=a.loader_ms,
-                      optimizer=a.optimizer)
-    except ValueError as e:
-        p.error(str(e))
-        raise  # unreachable: p.error exits
+    return common.parse(p, argv, _config)
+
+
+def _config(a: argparse.Namespace) -> Config:
+    names = common.names(a.models, "--models", MODELS)
+    caps = tuple(float(c) for c in a.caps.split(",") if c.strip())
+    steps, rounds = a.steps, a.rounds
+    if a.quick:
+        names, caps, steps, rounds = ("mlp",), (), 3, 1
+    n_modes = len(MAIN_MODES) + len(caps)
+    timeout = 120.0 + 2 * 12.0 * len(names) * n_modes * rounds * (steps + a.warmup) \
+        if a.timeout is None else a.timeout
+    return Config(ranks=a.ranks, models=names, steps=steps, warmup=a.warmup, rounds=rounds,
+                  caps=caps, op_timeout=a.op_timeout, timeout=timeout, markdown=a.markdown,
+                  loader_workers=a.loader_workers, loader_ms=a.loader_ms, optimizer=a.optimizer)
 
 
 # ---------------------------------------------------------------- in each rank
@@ -340,14 +331,8 @@ def _comm_alone(bufs: list[torch.Tensor]) -> float:
 
 
 def _rank_main(rank: int, n: int, cfg: Config, gloo_init: str) -> list[dict[str, Any]]:
-    import torch.distributed as tdist
-
-    tdist.init_process_group("gloo", init_method=gloo_init, rank=rank, world_size=n,
-                             timeout=timedelta(seconds=cfg.op_timeout))
-    try:
+    with common.gloo_group(gloo_init, rank, n, cfg.op_timeout):
         return [_bench_model(cfg, name, rank) for name in cfg.models]
-    finally:
-        tdist.destroy_process_group()
 
 
 def _bench_model(cfg: Config, name: str, rank: int) -> dict[str, Any]:
@@ -464,36 +449,25 @@ def render(cfg: Config, results: list[dict[str, Any]], markdown: bool) -> str:
 
 
 def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
-    lines = [f"command: {common.command_line()}", f"date: {info['date']}",
-             f"machine: nproc {info['nproc']}; {info['cpu']}; {info['os']}",
-             f"software: torch {info['torch']}, python {info['python']}",
-             (f"setup: {cfg.ranks} ranks x 1 torch thread, ringlet shm vs torch gloo, "
+    setup = [(f"setup: {cfg.ranks} ranks x 1 torch thread, ringlet shm vs torch gloo, "
               f"optimizer {', '.join(f'{m} {optimizer_of(cfg, m)}' for m in cfg.models)}, "
               f"{cfg.warmup} warm-up + {cfg.steps} timed steps x {cfg.rounds} rounds per mode; "
               f"step = median of the slowest rank's step times")]
     if cfg.loader_workers:
-        lines.append("data: each rank draws every step's batch from a DataLoader(num_workers="
+        setup.append("data: each rank draws every step's batch from a DataLoader(num_workers="
                      f"{cfg.loader_workers}); a worker spends {cfg.loader_ms:g} ms of CPU per "
                      "batch")
-    if not markdown:
-        return "\n".join(lines) + "\n"
-    lines[0] = f"command: `{common.command_line()}`"
-    return "# ringlet DDP benchmark\n\n" + "\n".join(f"- {x}" for x in lines) + "\n"
+    return common.preamble("ringlet DDP benchmark", setup, info, markdown)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     info = common.machine_info()
     print(preamble(cfg, info, markdown=False), flush=True)
-    env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-    with tempfile.TemporaryDirectory(prefix="ringlet-bench-") as tmp:
-        try:
-            values = common.run_ranks(cfg.ranks, _rank_main, cfg, f"file://{tmp}/gloo-store",
-                                      backend="shm", timeout=cfg.timeout, op_timeout=cfg.op_timeout,
-                                      env=env)
-        except RuntimeError as e:
-            print(f"benchmark failed: {e}", file=sys.stderr)
-            return 1
+    values = common.run_beside_gloo(cfg.ranks, _rank_main, cfg, backend="shm",
+                                    timeout=cfg.timeout, op_timeout=cfg.op_timeout)
+    if values is None:
+        return 1
     common.emit(lambda md: render(cfg, values[0], markdown=md),
                 lambda md: preamble(cfg, info, markdown=md), cfg.markdown)
     return 0

@@ -45,8 +45,9 @@ def test_wide_model_has_three_large_gradients_and_its_own_batch(bench) -> None:
     assert bench.optimizer_of(bench.parse_args(["--optimizer", "sgd"]), "mlp") == "sgd"
     assert isinstance(bench._optimizer("sgd", [torch.nn.Parameter(torch.ones(1))]),
                       torch.optim.SGD)
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--optimizer", "lamb"])
+    for bad in (["--optimizer", "lamb"], ["--models", "mlp,nope"]):
+        with pytest.raises(SystemExit):             # a usage error, through bench/_common.py
+            bench.parse_args(bad)
 
 
 def test_paired_ratio_pairs_each_step_with_its_reference(bench) -> None:
