@@ -16,6 +16,8 @@ Run it (2 processes on this machine, over shared memory; no server to install)::
     ringlet-run --nproc-per-node 2 examples/train_gpt.py
     ringlet-run --nproc-per-node 2 examples/train_gpt.py --strategy fsdp --steps 300
     ringlet-run --nproc-per-node 2 examples/train_gpt.py --resume        # continue the last run
+    ringlet-run --nproc-per-node 3 --restart-policy replica --max-restarts 2 \
+        examples/train_gpt.py --fault-tolerant --kill-random   # a replica dies and rejoins
 
 Rank 0 shows progress, a per-rank time breakdown every ``--breakdown-every`` steps, and at the
 end a summary, a sample of generated text, ``metrics.json`` and a loss plot in ``--out``.
@@ -31,6 +33,7 @@ import sys
 import tempfile
 
 import torch
+from gpt import fault_tolerant
 from gpt.resume import RunRefused, Stopped, stop_on_sigterm
 from gpt.strategies import STRATEGIES
 from gpt.trainer import TrainConfig, train
@@ -95,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: a bar on a terminal, plain lines otherwise")
     add("--no-plot", dest="plot", action="store_false",
         help="skip the PNG (default: write it if matplotlib is installed)")
+    add("--fault-tolerant", action="store_true", help="ddp/hsdp: a failed replica drops out, "
+        "the others go on, it rejoins by healing (launch with ringlet-run --restart-policy "
+        "replica; docs/getting_started.md)")
+    add("--kill-random", action="store_true", help="with --fault-tolerant: one replica (from "
+        "--seed) SIGKILLs itself once, between 1/4 and 1/2 of --steps")
+    add("--rejoin-wait", type=float, default=d.rejoin_wait, help="with --fault-tolerant: "
+        "seconds the replicas wait at the end for a restarted one to rejoin")
     return ap
 
 
@@ -109,6 +119,13 @@ def main() -> int:
     cfg = parse_args()
     torch.set_num_threads(1)           # one core per rank: ranks share this machine's cores
     stop_on_sigterm()                  # ringlet-run passes ctrl-c on to its workers as SIGTERM
+    if cfg.fault_tolerant or cfg.kill_random:     # each replica's processes form their own world
+        try:
+            return fault_tolerant.main(cfg, sys.argv)
+        except Stopped as stopped:
+            return 128 + stopped.signum
+        except KeyboardInterrupt:
+            return 130
     with tempfile.TemporaryDirectory() as tmp:
         if "RANK" in os.environ:
             # env:// from ringlet-run (or torchrun); shm between local ranks

@@ -36,9 +36,10 @@ def print_header(write: Callable[[str], None], cfg: Any, par: Any, data: Any, st
 
 
 def finish(cfg: Any, par: Any, history: dict[str, Any], totals: list[Window], sample: str,
-           start: int) -> None:
-    """The summary table, the sample, ``metrics.json`` and the plot."""
-    for line in summary_lines(cfg, par, history, totals, start):
+           start: int, lines: list[str] | None = None) -> None:
+    """The summary table (``lines`` instead, if given), the sample, ``metrics.json`` and the
+    plot."""
+    for line in summary_lines(cfg, par, history, totals, start) if lines is None else lines:
         print(line, flush=True)
     if sample:
         print("sample (held-out prompt, then the model's continuation):", flush=True)
@@ -96,8 +97,10 @@ def plot(path: str, cfg: Any, par: Any, history: dict[str, Any], totals: list[Wi
     if history["val"]:
         vs, vl = zip(*history["val"], strict=True)
         ax_loss.plot(vs, vl, "o-", label="validation loss")
+    _mark_failures(ax_loss, history.get("ft"))
     ax_loss.set(xlabel="step", ylabel="cross-entropy (nats/byte)",
-                title=f"train_gpt.py --strategy {cfg.strategy} ({par.layout})")
+                title=f"train_gpt.py --strategy {cfg.strategy} ({par.layout})"
+                + (" --fault-tolerant" if getattr(cfg, "fault_tolerant", False) else ""))
     ax_loss.grid(alpha=0.3)
     ax_loss.legend()
     ranks = list(range(len(totals)))
@@ -115,3 +118,13 @@ def plot(path: str, cfg: Any, par: Any, history: dict[str, Any], totals: list[Wi
     names = [t.get_text() for ax in (ax_loss, ax_time) for t in ax.get_legend().get_texts()]
     plt.close(fig)
     return names
+
+
+def _mark_failures(ax: Any, ft: dict[str, Any] | None) -> None:
+    """``--fault-tolerant``: a red line at each failure's step, a green one at each rejoin."""
+    for f in (ft or {}).get("failures", []):
+        ax.axvline(f["step"], color="tab:red", ls="--", lw=1,
+                   label=f"replica {f['replica']} lost (step {f['step']})")
+    for r in (ft or {}).get("rejoins", []):
+        ax.axvline(r["step"], color="tab:green", ls=":", lw=1.5,
+                   label=f"replica {r['replica']} rejoined (step {r['step']})")

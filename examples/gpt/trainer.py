@@ -60,6 +60,9 @@ class TrainConfig:
     breakdown_every: int = 500
     progress: str = "auto"           # auto | bar | lines | off
     plot: bool = True
+    fault_tolerant: bool = False     # replicas drop out and rejoin (gpt/fault_tolerant.py)
+    kill_random: bool = False        # --fault-tolerant demo: one replica SIGKILLs itself once
+    rejoin_wait: float = 120.0       # --fault-tolerant: seconds to wait at the end for a rejoin
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -150,16 +153,25 @@ def build(cfg: TrainConfig) -> tuple[Parallel, torch.optim.Optimizer, TextData]:
     layout = default_layout(cfg.strategy, dist.get_world_size(), cfg.tp, cfg.replicate)
     check_config(cfg, layout.dp, layout.tp)
     data = TextData.load(cfg.data, cfg.block_size, cfg.data_bytes)
-    torch.manual_seed(cfg.seed)             # the same initial weights on every rank
-    model = GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                          n_embd=cfg.n_embd))
+    model = new_model(cfg)                  # the same initial weights on every rank
     par = parallelize(model, layout, cfg.bf16)
-    # Weight decay on matrices only (not on norms' gains and biases), as GPT-2 and most LLMs do.
-    params = list(par.model.parameters())
+    return par, optimizer_for(par.model, cfg), data
+
+
+def new_model(cfg: TrainConfig) -> GPT:
+    """The model with ``cfg.seed``'s initial weights (the same on every rank)."""
+    torch.manual_seed(cfg.seed)
+    return GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                         n_embd=cfg.n_embd))
+
+
+def optimizer_for(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on norms' gains and biases), as GPT-2 and
+    most LLMs do."""
+    params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
-    return par, opt, data
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
 def train(cfg: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any]:
