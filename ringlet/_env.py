@@ -45,6 +45,8 @@
   | unset |
 | ``RINGLET_CKPT_FAULT`` | test-only: ``rank=1;after_bytes=N;do=sigkill`` kills that rank N bytes
   into writing its checkpoint shard | unset |
+| ``RINGLET_FT_FAULT`` | test-only: ``heal-source:R`` kills replica R (first incarnation) as it
+  starts sending its state to a rejoining replica (``ringlet.ft``) | unset |
 
 torch's variables that users already set are honoured too (a ``RINGLET_*`` one wins):
 
@@ -64,8 +66,10 @@ torch's variables that users already set are honoured too (a ``RINGLET_*`` one w
 Set by ``ringlet-run`` for its workers, not by hand: ``RINGLET_RUN_DIR`` (the run's private
 directory), ``RINGLET_GENERATION`` (the restart count), ``RINGLET_LAUNCHER_PID``,
 ``RINGLET_HEARTBEAT_FILE`` (the worker's heartbeat counter), ``RINGLET_CONSOLE_TTY`` (the
-worker's output ends on a terminal), besides torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
-and the rest.
+worker's output ends on a terminal), ``RINGLET_RESTART_POLICY``, ``RINGLET_REPLICA_SIZE`` and
+``RINGLET_REPLICA_RESTART`` (``--restart-policy replica``: processes per replica and how often
+this replica was restarted; read by ``ringlet.ft``), besides torchrun's ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and the rest.
 """
 
 from __future__ import annotations
@@ -278,3 +282,23 @@ def torch_default() -> bool:
     if raw not in ("0", "1", ""):
         raise ValueError(f"RINGLET_TORCH_DEFAULT: expected 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+def replica_size() -> int:
+    """Processes per replica (``RINGLET_REPLICA_SIZE``, set by ``ringlet-run --replica-size``)."""
+    return int(os.environ.get("RINGLET_REPLICA_SIZE", "1"))
+
+
+def replica_restart() -> int:
+    """How often this replica was restarted (``RINGLET_REPLICA_RESTART``; 0 when never)."""
+    return int(os.environ.get("RINGLET_REPLICA_RESTART", "0"))
+
+
+def replica_restarts_only() -> bool:
+    """Whether ``ringlet-run`` restarts single replicas (``--restart-policy replica``)."""
+    return os.environ.get("RINGLET_RESTART_POLICY") == "replica"
+
+
+def ft_fault_spec() -> str | None:
+    """Test-only fault injection of ``ringlet.ft`` (``RINGLET_FT_FAULT``)."""
+    return os.environ.get("RINGLET_FT_FAULT") or None

@@ -2,7 +2,8 @@
 the environment-variable section of docs/usage.md from ``ringlet/_env.py``'s docstring.
 
 The public modules are those that mirror torch's paths (``ringlet.distributed`` and every
-non-private module below it, ``ringlet.nn``, ``ringlet.utils``) plus ``ringlet.testing``; a
+non-private module below it, ``ringlet.nn``, ``ringlet.utils``) plus ``ringlet.testing`` and
+``ringlet.ft`` (fault tolerance, which torch does not have); a
 module's public names are its ``__all__``.  Each object is described once, under the first
 module (shallowest first) that exports it; other modules that re-export it link there.
 
@@ -27,7 +28,7 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "api.md"
-PACKAGES = ("ringlet.distributed", "ringlet.nn", "ringlet.utils", "ringlet.testing")
+PACKAGES = ("ringlet.distributed", "ringlet.nn", "ringlet.utils", "ringlet.testing", "ringlet.ft")
 COMMAND = ".venv/bin/python scripts/gen_api_docs.py"
 _SECTION = re.compile(r"^(Args|Arguments|Keyword Args|Returns|Yields|Raises|Attributes|Note|Notes|"
                       r"Example|Examples|Warning|Warnings)s?:\s*$")
@@ -381,7 +382,8 @@ def render() -> str:
         "",
         (f"Generated from the docstrings by `scripts/gen_api_docs.py`: do not edit by hand, run "
          f"`{COMMAND}`. Every public name of the modules that mirror torch's paths (`torch` -> "
-         "`ringlet`) and of `ringlet.testing`; each object is described under the first module "
+         "`ringlet`) and of `ringlet.testing` and `ringlet.ft`; each object is described under the "
+         "first module "
          "that exports it, and the other modules link there. Guides: [index.md](index.md)."),
         "",
         "## Modules and their names",

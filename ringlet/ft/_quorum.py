@@ -244,9 +244,23 @@ class Quorum:
                           "its last checkpoint")
 
     def _mark_latest(self, q: int) -> None:
+        """Raise ``latest`` to ``q`` (+1, as stored); never lowers it, never overshoots."""
         have = self.store.add("latest", 0)
-        if have < q + 1:
-            self.store.add("latest", q + 1 - have)
+        while have < q + 1:
+            got = self.store.compare_set("latest", str(have), str(q + 1))
+            have = int(got)
+
+    def wait_decided(self, q: int, started: float) -> Decision:
+        """Round ``q``'s decision, waiting for it (a joiner that read ``latest`` while round
+        ``q`` was still open); raises when every member of the round before is gone."""
+        key = f"q{q}/decision"
+        while not self.store.check([key]):
+            prev_key = f"q{q - 1}/decision"
+            if q > 0 and self.store.check([prev_key]):
+                self._check_members_alive(q, Decision.from_json(self.store.get(prev_key)),
+                                          started)
+            _await(self.store, key, self.recheck)
+        return Decision.from_json(self.store.get(key))
 
     def announce(self, member: Member) -> None:
         """Ask the next step round to wait for this member (it was left out of one)."""

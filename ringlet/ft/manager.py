@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringlet import _env
 from ringlet.c10d.collectives import all_reduce
 from ringlet.c10d.p2p import recv, send
 from ringlet.c10d.standalone import standalone_group
@@ -75,8 +76,7 @@ def job_store() -> Any:
                      wait_for_workers=False)
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     # Replica restarts keep one key space; a whole-job restart starts a fresh one.
-    gen = ("r" if os.environ.get("RINGLET_RESTART_POLICY") == "replica"
-           else os.environ.get("RINGLET_GENERATION", "0"))
+    gen = "r" if _env.replica_restarts_only() else os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return PrefixStore(f"ringlet-ft/{run}/{gen}", store)
 
 
@@ -85,9 +85,9 @@ def init_replica_group(backend: str = "auto", *, store: Any = None, timeout: flo
     position in the replica (``RANK % RINGLET_REPLICA_SIZE``).  Build the replica's mesh,
     ``fully_shard`` or TP on this world; the :class:`Manager` carries the replica dimension."""
     from ringlet.c10d.world import init_process_group
-    size = _env_int("RINGLET_REPLICA_SIZE", 1)
+    size = _env.replica_size()
     rank = _env_int("RANK")
-    inc = _env_int("RINGLET_REPLICA_RESTART", 0)
+    inc = _env.replica_restart()
     base = store if store is not None else job_store()
     init_process_group(backend, store=PrefixStore(f"replica{rank // size}/inc{inc}", base),
                        rank=rank % size, world_size=size, timeout=timeout)
@@ -118,14 +118,14 @@ class Manager:
                  store: Any = None, replica_id: int | None = None,
                  num_replicas: int | None = None, replica_size: int | None = None,
                  position: int | None = None, incarnation: int | None = None) -> None:
-        size = replica_size if replica_size is not None else _env_int("RINGLET_REPLICA_SIZE", 1)
+        size = replica_size if replica_size is not None else _env.replica_size()
         rank = _env_int("RANK") if replica_id is None or position is None else 0
         self.replica_id = replica_id if replica_id is not None else rank // size
         self.position = position if position is not None else rank % size
         self.num_replicas = (num_replicas if num_replicas is not None
                              else _env_int("WORLD_SIZE") // size)
         self.replica_size = size
-        inc = incarnation if incarnation is not None else _env_int("RINGLET_REPLICA_RESTART", 0)
+        inc = incarnation if incarnation is not None else _env.replica_restart()
         _check_args(self, min_replicas, timeout, heartbeat, join_timeout)
         self.model, self.optimizer, self.stateful = model, optimizer, list(stateful)
         self.timeout, self.backend = timeout, backend
@@ -232,12 +232,12 @@ class Manager:
         return Member(self.replica_id, self.position, self.uid, self._step, self._fresh, self._fp)
 
     def _previous(self, q: int) -> Decision | None:
+        """Round ``q - 1``'s decision (None before round 0), waited for if still open."""
         if q == 0:
             return None
         if self._decision is not None and self._decision.round == q - 1:
             return self._decision
-        key = f"q{q - 1}/decision"
-        return Decision.from_json(self._store.get(key)) if self._store.check([key]) else None
+        return self._quorum.wait_decided(q - 1, time.monotonic())
 
     def _settle(self, kind: str) -> bool:
         """Rounds until every member has applied one decision (groups rebuilt, replicas healed);
@@ -342,7 +342,11 @@ class Manager:
                                                _state.unpack(data))
                 self._fresh = False
                 self.report.heals_received += 1
-                self._note(f"healed from replica {source} at step {self._step}")
+                if self._step == 0:       # the job's start: every replica takes replica 0's
+                    log.info("replica %d: took replica %d's initial state", self.replica_id,
+                             source)
+                else:
+                    self._note(f"healed from replica {source} at step {self._step}")
 
     def _reduce(self, grads: list[torch.Tensor]) -> BaseException | None:
         if self._group is None:
@@ -373,8 +377,7 @@ class Manager:
 def _fault_hook(point: str, rid: int) -> None:
     """Test-only fault injection: ``RINGLET_FT_FAULT=<point>:<replica>`` SIGKILLs that replica's
     first incarnation at ``point`` (docs/reliability.md)."""
-    if os.environ.get("RINGLET_FT_FAULT") == f"{point}:{rid}" and \
-            os.environ.get("RINGLET_REPLICA_RESTART", "0") == "0":
+    if _env.ft_fault_spec() == f"{point}:{rid}" and _env.replica_restart() == 0:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
