@@ -109,6 +109,9 @@ def plot(path: str, cfg: Any, par: Any, history: dict[str, Any], totals: list[Wi
         ms = [w.fractions()[i] * w.step_s / max(1, w.steps) * 1e3 for w in totals]
         ax_time.barh(ranks, ms, left=left, height=0.6, label=name)
         left = [a + b for a, b in zip(left, ms, strict=True)]
+    if not any(w.steps for w in totals):    # --fault-tolerant: rejoined after the last step
+        ax_time.text(0.5, 0.5, "these processes trained no step:\nthey rejoined after the last",
+                     ha="center", va="center", transform=ax_time.transAxes)
     ax_time.set(xlabel="ms per step", ylabel="rank", yticks=ranks,
                 title="where each rank's time went")
     ax_time.invert_yaxis()
