@@ -75,6 +75,8 @@ def test_kill_random_replica_drops_out_and_rejoins(tmp_path: Path, seed: int) ->
     # every committed step without the victim (steps at+1 .. the rejoin) left its share out
     assert ftd["lost_shares"] == back["step"] - at and ftd["members"] == [0, 1, 2]
     assert f"lost: {ftd['lost_shares']} x 4 sequences" in text
+    last = json.loads((tmp_path / "checkpoints" / "step_000040" / "trainer.json").read_text())
+    assert last["run_id"] and last["history"]["ft"]["failures"] == ftd["failures"]
     if "plot_series" in metrics:      # matplotlib installed: the plot marks both
         assert metrics["plot_series"][2:4] == [f"replica {victim} lost (step {at + 1})",
                                                (f"replica {victim} rejoined (step "
@@ -136,6 +138,22 @@ def test_unsupported_combinations_are_refused(flags: dict, env: dict, needle: st
         check(trainer.TrainConfig(fault_tolerant=True, **flags), {**ENV, **env})
     with pytest.raises(RunRefused, match="--kill-random: expected --fault-tolerant too"):
         check(trainer.TrainConfig(kill_random=True), ENV)
+
+
+def test_an_earlier_runs_checkpoint_is_refused_by_every_incarnation(tmp_path: Path) -> None:
+    trainer = _gpt()
+    from gpt.fault_tolerant import check_out
+    from gpt.resume import RunRefused
+
+    cfg = trainer.TrainConfig(fault_tolerant=True, out=str(tmp_path))
+    check_out(cfg, 0, "job-a")                       # nothing in --out yet
+    ckpt = tmp_path / "checkpoints" / "step_000010"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.json").write_text(json.dumps({"step": 10, "run_id": "job-a"}))
+    check_out(cfg, 1, "job-a")        # a restarted replica: its own job wrote it
+    for incarnation, run_id in ((0, "job-a"), (1, "job-b")):   # a replica restarted after a
+        with pytest.raises(RunRefused, match="already holds a checkpoint of an earlier run"):
+            check_out(cfg, incarnation, run_id)                # refusal must refuse again
 
 
 def test_kill_plan_is_one_replica_in_the_second_quarter() -> None:

@@ -18,13 +18,14 @@ travel with the heal (a ``stateful`` of the Manager), so a restarted rank 0 prin
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -36,7 +37,7 @@ from ringlet import ft
 from . import checkpoint, report
 from .data import TextData
 from .observe import Progress, StepMeter, breakdown_table, gather_windows, peak_rss_mib, state_mib
-from .resume import RunRefused, start_point
+from .resume import RunRefused, decide
 from .strategies import Layout, Parallel, parallelize
 from .trainer import (
     TrainConfig,
@@ -54,7 +55,7 @@ from .trainer import (
 STRATEGIES = ("ddp", "hsdp")
 
 
-def check(cfg: TrainConfig, env: dict[str, str] | os._Environ[str] = os.environ) -> None:
+def check(cfg: TrainConfig, env: Mapping[str, str] = os.environ) -> None:
     """Refuse what ``--fault-tolerant`` does not support (raises :class:`RunRefused`)."""
     if not cfg.fault_tolerant:
         if cfg.kill_random:
@@ -85,6 +86,19 @@ def check(cfg: TrainConfig, env: dict[str, str] | os._Environ[str] = os.environ)
     if cfg.kill_random and world // size < 2:
         raise RunRefused(f"--kill-random: expected 2 or more replicas (world {world} / "
                          f"--replica-size {size}), got {world // size}")
+
+
+def check_out(cfg: TrainConfig, incarnation: int, run_id: str) -> None:
+    """Refuse an ``--out`` that holds an earlier run's checkpoint (as the plain trainer does);
+    a restarted replica accepts the checkpoints this job wrote (``run_id`` in trainer.json)."""
+    path = checkpoint.latest(cfg.out)
+    if path is None:
+        return
+    if incarnation > 0:
+        with open(os.path.join(path, "trainer.json")) as f:
+            if json.load(f).get("run_id") == run_id:
+                return
+    decide(cfg)         # raises RunRefused: a checkpoint of another run, and no --resume
 
 
 def kill_plan(seed: int, steps: int, num_replicas: int) -> tuple[int, int]:
@@ -149,8 +163,7 @@ def _build(cfg: TrainConfig, num_replicas: int) -> tuple[Parallel, Parallel, Any
 def train(cfg: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train as one replica's process; returns the history (as ``trainer.train``)."""
     incarnation = int(os.environ.get("RINGLET_REPLICA_RESTART", "0"))
-    if incarnation == 0:        # a restarted replica's job wrote --out's checkpoints itself
-        start_point(cfg)
+    check_out(cfg, incarnation, os.environ.get("TORCHELASTIC_RUN_ID", ""))
     size = dist.get_world_size()
     num_replicas = int(os.environ["WORLD_SIZE"]) // size
     par, eval_par, opt = _build(cfg, num_replicas)
@@ -332,7 +345,8 @@ class _Run:
         if (done % cfg.checkpoint_every == 0 or done == cfg.steps) \
                 and m.participants()[0] == m.replica_id:
             path = checkpoint.save(cfg.out, done, self.eval_par.model, self.opt,
-                                   {"config": asdict(cfg), "history": h})
+                                   {"config": asdict(cfg), "history": h,
+                                    "run_id": os.environ.get("TORCHELASTIC_RUN_ID", "")})
             self.say(f"step {done}: checkpoint {path} (written by replica {m.replica_id})")
 
     def wait_for_rejoin(self) -> None:
