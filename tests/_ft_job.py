@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -29,6 +30,9 @@ def main() -> None:
     out, steps = sys.argv[1], int(sys.argv[2])
     kill = ({int(r) for r in sys.argv[3].split(",")}, int(sys.argv[4])) if len(sys.argv) > 4 \
         else (set(), -1)
+    # FT_TEST_FREEZE="replica:step:seconds": that replica stops itself mid-step (not killed).
+    freeze = tuple(int(x) for x in os.environ["FT_TEST_FREEZE"].split(":")) \
+        if os.environ.get("FT_TEST_FREEZE") else None
     rank = int(os.environ["RANK"])
     sharded = int(os.environ.get("RINGLET_REPLICA_SIZE", "1")) > 1
     torch.manual_seed(rank)          # different on purpose: the first quorum makes them equal
@@ -71,6 +75,10 @@ def main() -> None:
             if manager.replica_id in kill[0] and step == kill[1] and inc == 0 \
                     and manager.position == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if freeze and freeze[:2] == (manager.replica_id, step):
+                # Frozen (SIGSTOP) for freeze[2] s: alive, but past every deadline.
+                subprocess.Popen(["sh", "-c", f"sleep {freeze[2]}; kill -CONT {os.getpid()}"])
+                os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(0.05)
             manager.allreduce_gradients(model)
             if manager.should_commit():

@@ -136,3 +136,17 @@ def test_layout_difference_is_named() -> None:
 def test_launcher_refuses_bad_replica_options(kwargs: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle.replace("-", r"\-")):
         LaunchConfig(entrypoint="train.py", master_addr="10.0.0.1", **kwargs)
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_replica_is_dropped_then_heals_without_a_restart(tmp_path: Path) -> None:
+    # Replica 1 stops itself (SIGSTOP) for 4 s in step 3: alive, but silent past the 1 s
+    # heartbeat. The others abort the step's group, finish it without replica 1 and go on;
+    # when it wakes up it finds itself left out and heals at a later step; nobody restarts.
+    code, out = _run(tmp_path, 3, "8", env={"FT_TEST_FREEZE": "1:3:4"})
+    assert code == 0, out
+    steps = _steps(tmp_path)
+    _check_identical(steps)
+    assert "stopped answering" in out and "left out of the retry" in out, out
+    assert "replica 1: healed from replica" in out and "restarting" not in out, out
+    assert any(sorted(rows) == [0, 2] for (s, _), rows in steps.items() if s > 3)

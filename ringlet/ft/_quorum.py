@@ -17,7 +17,10 @@ with ``compare_set`` so that exactly one is ever written, once:
 - ``join_timeout`` has passed (a replica too slow to arrive is treated as lost).
 
 Only complete replicas (every position present, same layout as the previous members) are
-members; a record written after the decision is not.  Such a latecomer appends itself to
+members; the decision's ``epoch`` names the round whose store prefix their groups are built on (a
+new one whenever the members change, after a failed step, or when a member's group broke), so a
+member that missed rounds still knows whether its group is the current one.  A record written
+after the decision is not a member: such a latecomer appends itself to
 ``join`` and tries the next round, where it is expected.  The same decision therefore reaches
 every member, so all members rebuild the same groups and heal the same replicas.
 
@@ -30,16 +33,19 @@ on, so that a member that dies while the groups form sends every member to the n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from ringlet.c10d.rendezvous import host_key
 from ringlet.errors import DistError, DistStoreError
+from ringlet.ft._liveness import Liveness, Watch
 
 __all__ = ["Decision", "JobFinished", "Member", "Quorum", "QuorumError"]
 
@@ -72,6 +78,7 @@ class Member:
     step: int
     fresh: bool
     fingerprint: str
+    rebuild: bool = False     # this member's group broke: the decision must start a new one
 
     @property
     def slot(self) -> str:
@@ -91,22 +98,23 @@ class Decision:
     refused: dict[str, str] = field(default_factory=dict)  # slot -> why (layout differs)
     lost: list[int] = field(default_factory=list)         # replicas of the last round not here
     error: str = ""
+    epoch: int = 0            # the round whose store prefix the members' groups are built on
 
     def to_json(self) -> bytes:
-        members = {s: [m.rid, m.pos, m.uid, m.step, m.fresh, m.fingerprint]
+        members = {s: [m.rid, m.pos, m.uid, m.step, m.fresh, m.fingerprint, m.rebuild]
                    for s, m in self.members.items()}
         return json.dumps({"round": self.round, "kind": self.kind, "members": members,
                            "replicas": self.replicas, "max_step": self.max_step,
                            "heal": {str(k): v for k, v in self.heal.items()},
                            "refused": self.refused, "lost": self.lost,
-                           "error": self.error}).encode()
+                           "error": self.error, "epoch": self.epoch}).encode()
 
     @staticmethod
     def from_json(raw: bytes) -> Decision:
         d = json.loads(raw)
         return Decision(d["round"], d["kind"], {s: Member(*v) for s, v in d["members"].items()},
                         d["replicas"], d["max_step"], {int(k): v for k, v in d["heal"].items()},
-                        d["refused"], d["lost"], d["error"])
+                        d["refused"], d["lost"], d["error"], d["epoch"])
 
 
 class Quorum:
@@ -130,16 +138,15 @@ class Quorum:
         self.slot = f"{rid}.{pos}"
         self.recheck = min(0.25, heartbeat / 4)   # seconds between looks at missing members
         self.slots = [f"{r}.{p}" for r in range(num_replicas) for p in range(replica_size)]
+        self.live = Liveness(store, heartbeat, join_timeout)
+        self._watch: Watch | None = None
         self._stop = threading.Event()
-        self._beats: dict[str, tuple[int, float]] = {}
         self._beat_store = store.clone()
         self._beater = threading.Thread(target=self._beat, name=f"ringlet-ft-hb-{self.slot}",
                                         daemon=True)
         self._beat_store.add(f"hb/{uid}", 1)
-        self._host = host_key()
-        self._beat_store.set(f"proc/{uid}", json.dumps([self._host, os.getpid()]))
+        self._beat_store.set(f"proc/{uid}", json.dumps([host_key(), os.getpid()]))
         self._beat_store.set(f"uid/{self.slot}", uid)
-        self._procs: dict[str, tuple[str, int]] = {}
         self._beater.start()
 
     # -- liveness ---------------------------------------------------------------------------
@@ -152,48 +159,25 @@ class Quorum:
                 return
 
     def alive(self, slot: str, uid: str | None, started: float) -> bool:
-        """Whether the process ``uid`` (None: whichever holds ``slot``) is alive: its heartbeat
-        moved within the last ``heartbeat`` seconds.  A slot nobody has started yet counts as
-        alive until ``join_timeout`` after ``started``; an incarnation replaced by a newer one in
-        its slot is dead."""
-        now = time.monotonic()
-        holder = self.store.get(f"uid/{slot}").decode() if self.store.check([f"uid/{slot}"]) \
-            else None
-        if holder is None:
-            return now - started < self.join_timeout
-        if uid is not None and holder != uid:
-            return False
-        if self.store.check([f"gone/{holder}"]) or self._exited(holder):
-            return False
-        value = self.store.add(f"hb/{holder}", 0)
-        last, since = self._beats.get(holder, (-1, now))
-        if value != last:
-            self._beats[holder] = (value, now)
-            return True
-        return now - since < self.heartbeat
+        """See :meth:`Liveness.alive`."""
+        return self.live.alive(slot, uid, started)
 
-    def _exited(self, uid: str) -> bool:
-        """Whether ``uid`` ran on this host and its process is gone (no heartbeat wait)."""
-        if uid not in self._procs:
-            if not self.store.check([f"proc/{uid}"]):
-                return False
-            host, pid = json.loads(self.store.get(f"proc/{uid}"))
-            self._procs[uid] = (host, int(pid))
-        host, pid = self._procs[uid]
-        if host != self._host:
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+    def watch(self, decision: Decision,
+              on_dead: Callable[[list[str]], None]) -> contextlib.AbstractContextManager[None]:
+        """While the block runs, ``on_dead(slots)`` is called (once, from another thread) if
+        members of ``decision`` stop being alive ([Note: quorum rounds])."""
+        if self._watch is None:
+            self._watch = Watch(Liveness(self.store.clone(), self.heartbeat, self.join_timeout),
+                                self.recheck)
+        others = [(s, m.uid) for s, m in decision.members.items() if s != self.slot]
+        return self._watch.armed(others, on_dead)
 
     def close(self) -> None:
         """Stop beating and tell the others this member left on purpose."""
         self._stop.set()
         self._beater.join(timeout=1.0)
+        if self._watch is not None:
+            self._watch.close()
         try:
             self.store.set(f"gone/{self.uid}", b"1")
         except Exception:  # noqa: BLE001, S110 - the store's host may be gone at the end
@@ -211,7 +195,7 @@ class Quorum:
     def decide(self, q: int, kind: str, me: Member, prev: Decision | None) -> Decision:
         """Take part in round ``q``; returns its decision (which may leave this member out)."""
         self.store.set(f"q{q}/m/{self.slot}", json.dumps(
-            [me.rid, me.pos, me.uid, me.step, me.fresh, me.fingerprint]))
+            [me.rid, me.pos, me.uid, me.step, me.fresh, me.fingerprint, me.rebuild]))
         started = time.monotonic()
         key = f"q{q}/decision"
         # A joiner never decides a round the members run (it may be their retry round).
@@ -345,6 +329,12 @@ class Quorum:
         lost = sorted({m.rid for m in prev.members.values()} - set(replicas)) if prev else []
         decision = Decision(q, kind, members, replicas, max_step, refused=refused, lost=lost)
         decision.heal = _heal_plan(members, replicas, max_step)
+        # A new group (on a new store prefix) when the members change, after a failed step
+        # (retry: the old group may be aborted) or when a member's group broke; else the same.
+        same = prev is not None and sorted((s, m.uid) for s, m in prev.members.items()) == \
+            sorted((s, m.uid) for s, m in members.items())
+        renew = kind == "retry" or not same or any(m.rebuild for m in members.values())
+        decision.epoch = q if renew or prev is None else prev.epoch
         return decision
 
 

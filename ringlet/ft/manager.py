@@ -140,7 +140,8 @@ class Manager:
                               min_replicas=min_replicas)
         self._decision: Decision | None = None
         self._group: Any = None
-        self._group_key: tuple[Any, ...] = ()
+        self._epoch = -1                 # the decision epoch self._group was built for
+        self._broken = False             # the group failed: ask the next round for a new one
         self._step = 0
         self._fresh = True
         self._pending = False
@@ -185,6 +186,7 @@ class Manager:
         saved = [g.clone() for g in grads] if self.num_participants() > 1 else []
         while True:
             err = self._reduce(grads)
+            self._broken = self._broken or err is not None
             if vote(self._store, self._quorum, self._decision.round, self._decision,
                     err is None, self.timeout):
                 self._pending = True
@@ -229,7 +231,8 @@ class Manager:
 
     # -- internals ----------------------------------------------------------------------------
     def _me(self) -> Member:
-        return Member(self.replica_id, self.position, self.uid, self._step, self._fresh, self._fp)
+        return Member(self.replica_id, self.position, self.uid, self._step, self._fresh, self._fp,
+                      self._broken)
 
     def _previous(self, q: int) -> Decision | None:
         """Round ``q - 1``'s decision (None before round 0), waited for if still open."""
@@ -247,13 +250,13 @@ class Manager:
             if decision is None:
                 return False
             prev = self._previous(decision.round)
-            changed = bool(decision.heal) or prev is None or _membership(prev) != _membership(
-                decision)
+            changed = bool(decision.heal) or prev is None or prev.epoch != decision.epoch
             err: BaseException | None = None
             try:
                 self._apply(decision)
             except DistError as e:     # a member died while the groups were rebuilt or healed
                 err = e
+                self._broken = True
             if not changed and err is None:
                 return True
             if vote(self._store, self._quorum, decision.round, decision, err is None,
@@ -294,13 +297,11 @@ class Manager:
         if before is not None and decision.lost:
             self._note(f"step {self._step}: replica(s) {decision.lost} lost; continuing with "
                        f"{decision.replicas}")
-        key = tuple((s, m.uid) for s, m in sorted(decision.members.items())
-                    if m.pos == self.position)
-        if key != self._group_key:
-            self._rebuild(decision, key)
+        if decision.epoch != self._epoch:
+            self._rebuild(decision)
         self._heal(decision)
 
-    def _rebuild(self, decision: Decision, key: tuple[Any, ...]) -> None:
+    def _rebuild(self, decision: Decision) -> None:
         if self._group is not None:
             self._group.destroy()
             self._group = None
@@ -311,16 +312,23 @@ class Manager:
             # is set up again without it (its heartbeat has stopped by then).
             setup_s = min(self.timeout, max(10.0, 5 * self._quorum.heartbeat))
             self._group = standalone_group(
-                PrefixStore(f"g{decision.round}/{self.position}", self._store),
+                PrefixStore(f"g{decision.epoch}/{self.position}", self._store),
                 decision.replicas.index(self.replica_id), n, backend=self.backend,
                 timeout=setup_s, name=f"ft replicas {decision.replicas} pos {self.position}")
             self._group.timeout = self.timeout
             log.debug("replica group %s built in %.1f ms", decision.replicas,
                       (time.monotonic() - t0) * 1e3)
-        self._group_key = key
+        self._epoch = decision.epoch
+        self._broken = False
         self.report.reconfigurations += 1
 
     def _heal(self, decision: Decision) -> None:
+        if not decision.heal:
+            return
+        with self._quorum.watch(decision, self._abort_for):
+            self._transfer(decision)
+
+    def _transfer(self, decision: Decision) -> None:
         for healer, source in sorted(decision.heal.items()):
             if self.replica_id not in (healer, source):
                 continue
@@ -348,9 +356,20 @@ class Manager:
                 else:
                     self._note(f"healed from replica {source} at step {self._step}")
 
+    def _abort_for(self, dead: list[str]) -> None:
+        """Called by the watch thread: a member stopped beating while a collective runs."""
+        group = self._group
+        if group is not None:
+            group.abort(f"replica(s) {sorted(dead)} stopped answering (no heartbeat for "
+                        f"{self._quorum.heartbeat:.1f} s)")
+
     def _reduce(self, grads: list[torch.Tensor]) -> BaseException | None:
         if self._group is None:
             return None
+        with self._quorum.watch(self._decision, self._abort_for):
+            return self._reduce_on_group(grads)
+
+    def _reduce_on_group(self, grads: list[torch.Tensor]) -> BaseException | None:
         try:
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for g in grads:
@@ -379,10 +398,6 @@ def _fault_hook(point: str, rid: int) -> None:
     first incarnation at ``point`` (docs/reliability.md)."""
     if _env.ft_fault_spec() == f"{point}:{rid}" and _env.replica_restart() == 0:
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _membership(d: Decision) -> list[tuple[str, str]]:
-    return sorted((s, m.uid) for s, m in d.members.items())
 
 
 def _short(err: BaseException) -> str:
