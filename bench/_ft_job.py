@@ -110,10 +110,14 @@ def run_restart(a: argparse.Namespace, log: object, rank: int, inc: int) -> floa
         from ringlet.nn.parallel import DistributedDataParallel
         wrapped = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    path = os.path.join(a.out, f"ckpt-rank{rank}.pt")
+    # A checkpoint counts once every rank has written its file: rank 0 then names it in
+    # ckpt-latest (after a barrier), so a rank killed while the others save is no problem.
+    latest = os.path.join(a.out, "ckpt-latest")
     start = 0
-    if os.path.exists(path):
-        state = torch.load(path, weights_only=False)
+    if os.path.exists(latest):
+        with open(latest) as f:
+            saved = int(f.read())
+        state = torch.load(os.path.join(a.out, f"ckpt-{saved}-rank{rank}.pt"), weights_only=False)
         for p, v in zip(model.parameters(), state["params"], strict=True):
             _local(p).data.copy_(v)
         opt.load_state_dict(state["opt"])
@@ -130,11 +134,14 @@ def run_restart(a: argparse.Namespace, log: object, rank: int, inc: int) -> floa
         opt.step()
         opt.zero_grad()
         if (step + 1) % a.ckpt_every == 0:
-            tmp = path + ".tmp"
             torch.save({"params": [_local(p).detach() for p in model.parameters()],
-                        "opt": opt.state_dict(), "step": step + 1}, tmp)
-            os.replace(tmp, path)
+                        "opt": opt.state_dict(), "step": step + 1},
+                       os.path.join(a.out, f"ckpt-{step + 1}-rank{rank}.pt"))
             dist.barrier()
+            if rank == 0:
+                with open(latest + ".tmp", "w") as f:
+                    f.write(str(step + 1))
+                os.replace(latest + ".tmp", latest)
     loss = _final_loss(model)
     dist.destroy_process_group()
     return loss
