@@ -121,7 +121,7 @@ def main() -> int:
     stop_on_sigterm()                  # ringlet-run passes ctrl-c on to its workers as SIGTERM
     if cfg.fault_tolerant or cfg.kill_random:     # each replica's processes form their own world
         try:
-            return fault_tolerant.main(cfg, sys.argv)
+            return fault_tolerant.main(cfg)
         except Stopped as stopped:
             return 128 + stopped.signum
         except KeyboardInterrupt:

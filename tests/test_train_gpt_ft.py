@@ -83,6 +83,21 @@ def test_kill_random_replica_drops_out_and_rejoins(tmp_path: Path, seed: int) ->
                                                 f"{back['step']})")]
 
 
+@pytest.mark.timeout(200)
+def test_a_replica_back_after_the_end_finds_the_job_done(tmp_path: Path) -> None:
+    # --rejoin-wait 0: the survivors do not wait; whether the restarted replica still arrives
+    # in time depends on the machine's load, and both endings must be clean.
+    code, text = _launch(tmp_path, 3, "--fault-tolerant", "--kill-random", launcher=REPLICAS,
+                         rejoin_wait=0, timeout=180)
+    assert code == 0, text
+    assert "fault tolerance: 1 failure(s), " in text, text
+    if "0 rejoin(s)" in text:
+        assert "  replica(s) [2] had not rejoined by the end (--rejoin-wait 0 s)" in text, text
+        assert "before this one could rejoin; nothing left to do" in text, text
+    else:
+        assert "1 rejoin(s)" in text and "replica 2 rejoined after step" in text, text
+
+
 def _losses(out: Path) -> tuple[list[float], list[list[float]]]:
     h = json.loads((out / "metrics.json").read_text())["history"]
     return h["train_loss"], h["val"]

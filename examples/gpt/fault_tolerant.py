@@ -25,7 +25,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -126,7 +126,7 @@ class History:
         self.data = state["history"]
 
 
-def main(cfg: TrainConfig, argv: Sequence[str]) -> int:
+def main(cfg: TrainConfig) -> int:
     """``train_gpt.py --fault-tolerant`` on this process; the exit status."""
     try:
         check(cfg)
@@ -136,7 +136,7 @@ def main(cfg: TrainConfig, argv: Sequence[str]) -> int:
         return 2
     ft.init_replica_group()
     try:
-        train(cfg, argv)
+        train(cfg)
     except RunRefused as refused:
         if int(os.environ["RANK"]) == 0:
             print(f"train_gpt: error: {refused}", file=sys.stderr, flush=True)
@@ -160,8 +160,9 @@ def _build(cfg: TrainConfig, num_replicas: int) -> tuple[Parallel, Parallel, Any
     return (Parallel(inner.model, outer, rank, cfg.bf16), inner, optimizer_for(inner.model, cfg))
 
 
-def train(cfg: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Train as one replica's process; returns the history (as ``trainer.train``)."""
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train as one replica's process (after ``ft.init_replica_group()``); returns the history
+    (as ``trainer.train``)."""
     incarnation = int(os.environ.get("RINGLET_REPLICA_RESTART", "0"))
     check_out(cfg, incarnation, os.environ.get("TORCHELASTIC_RUN_ID", ""))
     size = dist.get_world_size()
@@ -178,13 +179,15 @@ def train(cfg: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any]
         run.say(f"step 0: validation loss {history.data['val'][-1][1]:.4f} (untrained)")
     t_run = time.perf_counter()
     try:
-        if not run.loop():
-            return history.data
-        run.wait_for_rejoin()
+        finished = run.loop()     # False: came back after the others had finished
+        if finished:
+            run.wait_for_rejoin()
         manager.close()
     finally:
         if run.progress is not None:
             run.progress.close()
+    if not finished:
+        return history.data
     run.meter.take_window()
     run.meter.total.rss_mib, run.meter.total.state_mib = peak_rss_mib(), state_mib(par.model, opt)
     totals = gather_windows(run.meter.total)
@@ -230,12 +233,8 @@ class _Run:
         self._lost_seen = 0
 
     def say(self, line: str) -> None:
-        if not self.talks:
-            return
-        if self.progress is not None:
-            self.progress.write(line)
-        else:
-            print(line, flush=True)
+        if self.talks:
+            self.progress.write(line) if self.progress is not None else print(line, flush=True)
 
     def loop(self) -> bool:
         """Steps until ``cfg.steps`` are committed; False if this replica came back after the
@@ -245,14 +244,13 @@ class _Run:
             t0 = time.perf_counter()
             if not self._quorum():
                 return False
-            step = m.current_step
-            if step >= cfg.steps:
+            if m.current_step >= cfg.steps:      # healed after the last step
                 break
             self.meter.start()
-            loss = self._step(step)
+            loss = self._step(m.current_step)
             self.meter.stop()
             if loss is not None:
-                self._after(step, loss, time.perf_counter() - t0)
+                self._after(m.current_step - 1, loss, time.perf_counter() - t0)
         return True
 
     def _quorum(self) -> bool:
@@ -354,10 +352,10 @@ class _Run:
         ends with every replica holding the final state (each round admits and heals joiners)."""
         m = self.manager
         deadline = time.monotonic() + self.cfg.rejoin_wait
-        if m.num_participants() < m.num_replicas:
+        missing = sorted(set(range(m.num_replicas)) - set(m.participants()))
+        if missing:
             self.say(f"step {m.current_step}: done; waiting up to {self.cfg.rejoin_wait:.0f} s "
-                     f"for replica(s) {sorted(set(range(m.num_replicas)) - set(m.participants()))}"
-                     " to rejoin")
+                     f"(--rejoin-wait) for replica(s) {missing} to rejoin")
         while m.num_participants() < m.num_replicas and time.monotonic() < deadline:
             time.sleep(0.2)
             m.start_quorum()
@@ -386,6 +384,10 @@ def summary_lines(cfg: TrainConfig, par: Parallel, h: dict[str, Any], start: int
         lines.append(f"  replica {f['replica']} failed in step {f['step']}"
                      + (f": that step took {took:.2f} s, the survivors stalled "
                         f"{max(0.0, took - median):.2f} s" if took is not None else ""))
+    gone = sorted(set(range(par.layout.dp // size)) - set(ftd["members"]))
+    if gone:
+        lines.append(f"  replica(s) {gone} had not rejoined by the end (--rejoin-wait "
+                     f"{cfg.rejoin_wait:g} s); a restarted one that comes later finds the job done")
     for r in ftd["rejoins"]:
         lines.append(f"  replica {r['replica']} rejoined after step {r['step']}"
                      + (f", {r['after_s']:.1f} s after its failure" if r["after_s"] is not None
