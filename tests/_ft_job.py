@@ -5,7 +5,7 @@ Each process writes one line per step: the step, a hash of its (local) parameter
 participants; the first process of each replica in ``kill_replicas`` SIGKILLs itself in its
 first incarnation after the backward of step ``kill_step``.  With ``RINGLET_REPLICA_SIZE`` > 1
 each replica shards the model with ``fully_shard`` over its own processes (HSDP: the Manager
-carries the replica dimension).
+carries the replica dimension), or with tensor parallelism (``FT_TEST_TP=1``).
 """
 
 import hashlib
@@ -42,12 +42,20 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 1))
     if sharded:
         from ringlet.distributed.device_mesh import init_device_mesh
-        from ringlet.distributed.fsdp import fully_shard
         ft.init_replica_group()
         mesh = init_device_mesh("cpu", (int(os.environ["RINGLET_REPLICA_SIZE"]),))
-        for layer in (model[0], model[2]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        if os.environ.get("FT_TEST_TP"):        # each replica a tensor-parallel group
+            from ringlet.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
+            parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        else:                                   # each replica a fully_shard group (HSDP)
+            from ringlet.distributed.fsdp import fully_shard
+            for layer in (model[0], model[2]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     manager = ft.Manager(model, opt, heartbeat=1.0)
     inc = int(os.environ.get("RINGLET_REPLICA_RESTART", "0"))

@@ -77,8 +77,11 @@ def test_ddp_replicas_survive_a_kill_and_the_killed_rejoin(tmp_path: Path, kille
 
 
 @pytest.mark.timeout(300)
-def test_hsdp_replica_of_two_processes_survives_and_rejoins(tmp_path: Path) -> None:
-    code, out = _run(tmp_path, 4, "6", "1", "2", replica_size=2)
+@pytest.mark.parametrize("inside", ["fully_shard", "tp"])
+def test_replica_of_two_processes_survives_and_rejoins(tmp_path: Path, inside: str) -> None:
+    # Each replica is a fully_shard group (HSDP) or a tensor-parallel group of 2 processes.
+    code, out = _run(tmp_path, 4, "6", "1", "2", replica_size=2,
+                     env={"FT_TEST_TP": "1"} if inside == "tp" else {})
     assert code == 0, out
     steps = _steps(tmp_path)
     _check_identical(steps)
