@@ -220,8 +220,9 @@ class Quorum:
             return
         if all(self.store.check([f"gone/{m.uid}"]) for m in prev.members.values()):
             raise JobFinished(f"round {q}: replica {self.rid} position {self.pos}: the live "
-                              f"replicas finished the job at step {prev.max_step} and left "
-                              "before this one could rejoin; nothing left to do")
+                              "replicas finished the job (their last round began at step "
+                              f"{prev.max_step}) and left before this one could rejoin; "
+                              "nothing left to do")
         raise QuorumError(f"round {q}: replica {self.rid} position {self.pos} cannot be admitted: "
                           f"every member of round {q - 1} ({sorted(prev.members)}) is gone, so "
                           "no live replica holds the state to heal from; restart the job from "

@@ -35,7 +35,7 @@ from ringlet import _env
 from ringlet.c10d.collectives import all_reduce
 from ringlet.c10d.p2p import recv, send
 from ringlet.c10d.standalone import standalone_group
-from ringlet.errors import DistError
+from ringlet.errors import CollectiveMismatchError, DistError
 from ringlet.ft import _state
 from ringlet.ft._quorum import Decision, Member, Quorum, QuorumError, vote
 from ringlet.store import PrefixStore
@@ -43,6 +43,7 @@ from ringlet.store import PrefixStore
 __all__ = ["Manager", "StepReport"]
 
 log = logging.getLogger("ringlet.ft")
+_MAX_RETRIES = 3     # a reduction that fails this often with the same members is not a fault
 
 
 @dataclass
@@ -181,16 +182,23 @@ class Manager:
         the survivors.  Returns whether this replica takes part in the step."""
         if self._decision is None:
             raise RuntimeError("allreduce_gradients: call start_quorum() first in each step")
-        plist = params.parameters() if isinstance(params, nn.Module) else params
+        plist = list(params.parameters() if isinstance(params, nn.Module) else params)
+        for p in plist:         # unused this step: zeros, so every replica reduces the same set
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
         grads = [_state._local(p.grad) for p in plist if p.grad is not None]
         saved = [g.clone() for g in grads] if self.num_participants() > 1 else []
+        same_members = 0
         while True:
             err = self._reduce(grads)
             self._broken = self._broken or err is not None
+            if isinstance(err, CollectiveMismatchError):    # a bug in the program, not a fault
+                raise err
             if vote(self._store, self._quorum, self._decision.round, self._decision,
                     err is None, self.timeout):
                 self._pending = True
                 return True
+            members = self.participants()
             self._note(f"step {self._step}: reduction over replicas {self.participants()} "
                        f"failed ({_short(err) if err else 'a peer failed'}); retrying over "
                        "the live ones")
@@ -202,6 +210,12 @@ class Manager:
                            "heals at the next step")
                 self._pending = False
                 return False
+            same_members = same_members + 1 if self.participants() == members else 0
+            if same_members >= _MAX_RETRIES:
+                raise QuorumError(f"replica {self.replica_id}: step {self._step}: the gradient "
+                                  f"reduction over replicas {members} failed {same_members + 1} "
+                                  "times with nobody lost; last error: "
+                                  f"{_short(err) if err else 'on another replica'}")
 
     def should_commit(self) -> bool:
         """Whether to apply this step (every live replica gets the same answer)."""
