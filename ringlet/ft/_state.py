@@ -30,7 +30,7 @@ def _local(t: Any) -> Any:
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    named = dict(model.named_parameters())
+    named: dict[str, torch.Tensor] = dict(model.named_parameters())
     named.update(model.named_buffers())
     return named
 
@@ -110,14 +110,16 @@ def _tuples(x: Any) -> Any:
 def _rewrap_optimizer_state(optimizer: Any) -> None:
     """State of a DTensor parameter arrives as its local tensor: wrap it in the parameter's
     placements again (the optimizer's step then meets DTensors, as it did on the sender)."""
+    from ringlet.dtensor import DTensor
+
     for p, st in optimizer.state.items():
-        if not hasattr(p, "device_mesh") or not isinstance(p, torch.Tensor):
+        if not isinstance(p, DTensor):
             continue
         local_shape = p.to_local().shape
         for k, v in list(st.items()):
-            if isinstance(v, torch.Tensor) and not hasattr(v, "device_mesh") \
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) \
                     and v.shape == local_shape and v.dim() > 0:
-                st[k] = type(p).from_local(v, p.device_mesh, p.placements, run_check=False,
+                st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
                                            shape=p.shape, stride=p.stride())
 
 

@@ -26,6 +26,7 @@ import signal
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -73,7 +74,8 @@ def job_store() -> Any:
     """The launcher's store (``MASTER_ADDR``/``MASTER_PORT``), prefixed for this run's replicas."""
     from ringlet.store import TCPStore
     host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    store = TCPStore(host, _env_int("MASTER_PORT"), None, is_master=False, timeout=300.0,
+    store = TCPStore(host, _env_int("MASTER_PORT"), None, is_master=False,
+                     timeout=timedelta(seconds=300),
                      wait_for_workers=False)
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     # Replica restarts keep one key space; a whole-job restart starts a fresh one.
@@ -378,7 +380,7 @@ class Manager:
                         f"{self._quorum.heartbeat:.1f} s)")
 
     def _reduce(self, grads: list[torch.Tensor]) -> BaseException | None:
-        if self._group is None:
+        if self._group is None or self._decision is None:
             return None
         with self._quorum.watch(self._decision, self._abort_for):
             return self._reduce_on_group(grads)
