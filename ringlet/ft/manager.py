@@ -70,13 +70,14 @@ def _env_int(name: str, default: int | None = None) -> int:
     return int(raw)
 
 
-def job_store() -> Any:
-    """The launcher's store (``MASTER_ADDR``/``MASTER_PORT``), prefixed for this run's replicas."""
+def job_store(timeout: float = 300.0) -> Any:
+    """The launcher's store (``MASTER_ADDR``/``MASTER_PORT``), prefixed for this run's replicas.
+    Every operation gives up after ``timeout`` seconds (a replica cut off from the store fails
+    with a store error then, it cannot commit a step the others did not)."""
     from ringlet.store import TCPStore
     host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
     store = TCPStore(host, _env_int("MASTER_PORT"), None, is_master=False,
-                     timeout=timedelta(seconds=300),
-                     wait_for_workers=False)
+                     timeout=timedelta(seconds=timeout), wait_for_workers=False)
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     # Replica restarts keep one key space; a whole-job restart starts a fresh one.
     gen = "r" if _env.replica_restarts_only() else os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -132,7 +133,7 @@ class Manager:
         _check_args(self, min_replicas, timeout, heartbeat, join_timeout)
         self.model, self.optimizer, self.stateful = model, optimizer, list(stateful)
         self.timeout, self.backend = timeout, backend
-        self._store = store if store is not None else job_store()
+        self._store = store if store is not None else job_store(timeout)
         self.uid = f"{self.replica_id}.{self.position}.{inc}.{secrets.token_hex(3)}"
         self._layout = _state.layout(model, optimizer, size)
         self._fp = _state.fingerprint(self._layout)
