@@ -23,7 +23,7 @@ import dataclasses
 import os
 import re
 import threading
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 __all__ = ["Sink", "colour_wanted", "prefix", "start_forwarder"]
 
@@ -82,7 +82,7 @@ def _show_open(sink: Sink, text: bytes) -> None:
     _open_line[0] = (console, line) if text else None
 
 
-def _forward_live(stream: BinaryIO, sink: Sink) -> None:
+def _forward_live(stream: IO[bytes], sink: Sink) -> None:
     """Terminal console: lines and in-place redraws ([Note: live lines])."""
     fd, partial, redrawn = stream.fileno(), b"", False   # redrawn: this line had a \r (a bar)
     while data := os.read(fd, 65536):
@@ -119,7 +119,7 @@ def _forward_live(stream: BinaryIO, sink: Sink) -> None:
             _show_line(sink, partial)
 
 
-def _forward_lines(stream: BinaryIO, sink: Sink) -> None:
+def _forward_lines(stream: IO[bytes], sink: Sink) -> None:
     for line in iter(stream.readline, b""):
         if sink.file is not None:
             sink.file.write(line)
@@ -131,7 +131,7 @@ def _forward_lines(stream: BinaryIO, sink: Sink) -> None:
                 _show_line(sink, line[:-1])
 
 
-def _forward(stream: BinaryIO, sink: Sink) -> None:
+def _forward(stream: IO[bytes], sink: Sink) -> None:
     try:
         if sink.live and sink.console is not None:
             _forward_live(stream, sink)
@@ -145,7 +145,7 @@ def _forward(stream: BinaryIO, sink: Sink) -> None:
             sink.file.close()
 
 
-def start_forwarder(stream: BinaryIO, sink: Sink, name: str) -> threading.Thread:
+def start_forwarder(stream: IO[bytes], sink: Sink, name: str) -> threading.Thread:
     t = threading.Thread(target=_forward, args=(stream, sink), name=name, daemon=True)
     t.start()
     return t

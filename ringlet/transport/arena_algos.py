@@ -123,7 +123,7 @@ class ArenaTransport(Transport):
             lay, mem = self.arena.layout, cast(Any, self.arena.memory)
             b0 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 0) + off) for r in self._ranks]
             b1 = [np.frombuffer(mem, npdt, k, lay.slot_data_off(r, 1) + off) for r in self._ranks]
-            mine = (memoryview(b0[self.rank]).cast("B"), memoryview(b1[self.rank]).cast("B"))
+            mine = (b0[self.rank].data.cast("B"), b1[self.rank].data.cast("B"))
             views = self._fast[(dtype, k, off)] = (b0, b1, mine)
         return views
 
@@ -138,7 +138,7 @@ class ArenaTransport(Transport):
             if len(self._users) >= _FAST_CACHE_MAX:
                 self._users.clear()
             raw = (ctypes.c_char * (k * dtype.itemsize)).from_address(ptr)
-            views = memoryview(raw).cast("B"), np.frombuffer(raw, NP_DTYPES[dtype], k)
+            views = memoryview(raw).cast("B"), np.frombuffer(memoryview(raw), NP_DTYPES[dtype], k)
             self._users[(ptr, dtype, k)] = views
         return views
 
@@ -262,7 +262,9 @@ class ArenaTransport(Transport):
         self.sync_round(s, ctx.fingerprint(), 0, ctx)
         if root is not None and root != self.rank:
             return
-        red.np_fold(user[1], views[b])    # reads only the slots: buf may be written as it goes
+        # reads only the slots: buf may be written as it goes (views[b], b in {0, 1}, is a list of
+        # slot arrays; mypy types a tuple indexed by a variable as the union of all its items)
+        red.np_fold(user[1], views[b])  # type: ignore[arg-type]
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: ReduceArg,
                        factor: float | None, ctx: OpContext, ranks: Ranks = None) -> None:
@@ -333,7 +335,8 @@ class ArenaTransport(Transport):
         views = self._fast.get((dt, k, me * nbytes)) or self._views(dt, k, me * nbytes)
         dst = fo.data_ptr()
         # straight into fo: the fold reads only the slots, so fo may be a block of fi
-        red.np_fold((self._users.get((dst, dt, k)) or self._user(dst, dt, k))[1], views[b])
+        red.np_fold((self._users.get((dst, dt, k)) or self._user(dst, dt, k))[1],
+                    views[b])  # type: ignore[arg-type]  # b in {0, 1}: see _small_reduce
 
     # -- data movement ---------------------------------------------------------------
     def broadcast(self, buf: torch.Tensor, root: int, ctx: OpContext, ranks: Ranks = None) -> None:

@@ -341,9 +341,9 @@ class Pump:
             if fd == self.inbox.notify_fd:
                 self.inbox.drain()
                 continue
-            r = self.inbox.polled(fd, ev)
-            if r is not None and not self._open[r]:
-                self._stirred.append(r)
+            peer = self.inbox.polled(fd, ev)
+            if peer is not None and not self._open[peer]:
+                self._stirred.append(peer)
         if not ready:
             raise self._timeout(waited_on)
 
