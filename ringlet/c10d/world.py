@@ -17,7 +17,7 @@ import logging
 import threading
 import weakref
 from datetime import timedelta
-from typing import Any
+from typing import Any, overload
 
 from ringlet import _env
 from ringlet.c10d import _creation, _cuda, debug
@@ -141,7 +141,13 @@ def _default_pg() -> ProcessGroup:
     return w.default_pg
 
 
-def resolve_group(g: Any) -> ProcessGroup | None:
+@overload
+def resolve_group(g: None) -> ProcessGroup: ...
+@overload
+def resolve_group(g: GroupArg) -> ProcessGroup | None: ...
+
+
+def resolve_group(g: GroupArg) -> ProcessGroup | None:
     """The ProcessGroup for a ``group=`` argument; None when this rank is not a member."""
     if g is None or g is GroupMember.WORLD:
         return _default_pg()

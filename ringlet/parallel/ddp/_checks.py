@@ -14,11 +14,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ringlet.c10d import all_gather_object, broadcast
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import ProcessGroup
 
 __all__ = ["broadcast_coalesced", "describe", "first_difference", "live_buffers", "swap_buffers",
            "verify_same_model"]
@@ -68,7 +71,7 @@ def first_difference(mine: list[Entry], ref: list[Entry]) -> str | None:
     raise AssertionError("entries differ but no differing position was found")
 
 
-def verify_same_model(entries: list[Entry], pg: Any) -> None:
+def verify_same_model(entries: list[Entry], pg: ProcessGroup) -> None:
     """Raise ``RuntimeError`` on every rank if any rank's ``entries`` differ from rank 0's."""
     gathered: list[Any] = [None] * pg.size()
     all_gather_object(gathered, entries, group=pg)
@@ -84,7 +87,7 @@ def verify_same_model(entries: list[Entry], pg: Any) -> None:
             f"got: {' | '.join(problems)}")
 
 
-def broadcast_coalesced(tensors: Sequence[torch.Tensor], pg: Any, src: int,
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], pg: ProcessGroup, src: int,
                         cap_bytes: int = BROADCAST_CAP_BYTES,
                         replace: bool = False) -> list[torch.Tensor]:
     """Give every rank group rank ``src``'s values of ``tensors`` (few collectives).

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import ProcessGroup
 
 __all__ = ["DevicePlan", "aux_device", "plan_devices"]
 
@@ -86,7 +89,7 @@ def plan_devices(param_devices: Iterable[torch.device], device_ids: Any,
     return DevicePlan(device, ids, out)
 
 
-def aux_device(pg: Any, device: torch.device | None) -> torch.device:
+def aux_device(pg: ProcessGroup, device: torch.device | None) -> torch.device:
     """Where DDP's small bookkeeping tensors go (used-map, bucket order): the CPU when the group
     serves CPU tensors (every backend but a bare ``torch:nccl``), else the module's device."""
     if "cpu" in pg.transport.devices or device is None:

@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import ProcessGroup
 
 __all__ = ["DDPLogging"]
 
@@ -155,7 +158,7 @@ def _sizes(reducer: Any) -> str:
     return ", ".join(str(b.plan.nbytes) for b in reducer.layout.buckets)
 
 
-def _backend(pg: Any) -> str:
+def _backend(pg: ProcessGroup) -> str:
     try:
         from ringlet.c10d.world import get_backend
 

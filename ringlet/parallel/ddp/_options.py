@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,10 @@ from ringlet.c10d.world import resolve_group
 from ringlet.dtensor import DTensor
 from ringlet.parallel.ddp._buckets import cap_bytes_from_mb
 from ringlet.parallel.ddp._cuda import DevicePlan, plan_devices
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import GroupArg, ProcessGroup
+    from ringlet.mesh import DeviceMesh
 
 __all__ = ["bucket_caps", "buffer_sync", "check_devices", "pick_group", "refuse_dtensor_buffers",
            "refuse_unsupported"]
@@ -92,7 +96,7 @@ def refuse_dtensor_buffers(named_buffers: Sequence[tuple[str, torch.Tensor]]) ->
                          "_ddp_params_and_buffers_to_ignore")
 
 
-def pick_group(process_group: Any, device_mesh: Any) -> Any:
+def pick_group(process_group: GroupArg, device_mesh: DeviceMesh | None) -> ProcessGroup:
     if process_group is not None and device_mesh is not None:
         raise ValueError("DistributedDataParallel: Cannot specify both process_group and "
                          "device_mesh arguments (expected one of them, got both)")

@@ -35,7 +35,7 @@ import enum
 import functools
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,6 +53,9 @@ from ringlet.parallel.ddp._bucket_state import Bucket, BucketMemory, Layout
 from ringlet.parallel.ddp._buckets import complete_order
 from ringlet.parallel.ddp._cuda import aux_device
 from ringlet.parallel.ddp._grad_bucket import GradBucket
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import ProcessGroup
 
 __all__ = ["Phase", "Reducer", "ReductionStats", "traced"]
 
@@ -93,7 +96,8 @@ class Phase(enum.Enum):
 class Reducer:
     """Gradient bucketing and reduction for the parameters ``params`` (see the module docstring)."""
 
-    def __init__(self, params: list[torch.Tensor], names: list[str], pg: Any, *, cap_bytes: int,
+    def __init__(self, params: list[torch.Tensor], names: list[str], pg: ProcessGroup, *,
+                 cap_bytes: int,
                  gradient_as_bucket_view: bool, find_unused_parameters: bool, static_graph: bool,
                  skip_all_reduce_unused_params: bool = False, caps: list[int] | None = None,
                  device: torch.device | None = None) -> None:
@@ -461,7 +465,7 @@ class Reducer:
         self._hooks = []
 
 
-def _bucket_memory(pg: Any) -> BucketMemory | None:
+def _bucket_memory(pg: ProcessGroup) -> BucketMemory | None:
     """Buckets in ``pg``'s shared memory where its collectives read them in place; None where
     they would be ordinary tensors anyway ([Note: buckets in shared memory])."""
     if not is_comm_buffer(comm_buffer(1, group=pg), group=pg):

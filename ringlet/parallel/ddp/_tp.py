@@ -52,7 +52,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -60,6 +60,9 @@ from torch import nn
 from ringlet.dtensor import DTensor, Replicate
 from ringlet.dtensor._api import make_dtensor
 from ringlet.parallel._data_parallel_utils import _flatten_tensor, _unflatten_tensor
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import ProcessGroup
 
 __all__ = [
     "_get_submodule_n_params",
@@ -308,7 +311,8 @@ def has_dtensor_params(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def check_dp_orthogonal(module: nn.Module, pg: Any, where: str = "DistributedDataParallel") -> None:
+def check_dp_orthogonal(module: nn.Module, pg: ProcessGroup,
+                        where: str = "DistributedDataParallel") -> None:
     """Raise unless every rank of ``pg`` holds the same piece of each DTensor parameter.
 
     Data parallelism averages gradients across ``pg``; a parameter split (``Shard``) or partial

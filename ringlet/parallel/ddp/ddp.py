@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +23,10 @@ from ringlet.parallel.ddp import _checks, _options, _tp
 from ringlet.parallel.ddp._join import DDPJoinHook, Join, Joinable, active_iteration
 from ringlet.parallel.ddp._logging import DDPLogging
 from ringlet.parallel.ddp._reducer import Phase, Reducer, traced
+
+if TYPE_CHECKING:
+    from ringlet.c10d.group import GroupArg, ProcessGroup
+    from ringlet.mesh import DeviceMesh
 
 __all__ = ["DistributedDataParallel"]
 
@@ -84,11 +88,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __init__(self, module: nn.Module, device_ids: list[Any] | None = None,
                  output_device: Any = None,
                  dim: int = 0, broadcast_buffers: bool | None = None, init_sync: bool = True,
-                 process_group: Any = None, bucket_cap_mb: float | list[float] | None = None,
+                 process_group: GroupArg = None, bucket_cap_mb: float | list[float] | None = None,
                  find_unused_parameters: bool = False, check_reduction: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  delay_all_reduce_named_params: Any = None, param_to_hook_all_reduce: Any = None,
-                 mixed_precision: Any = None, device_mesh: Any = None,
+                 mixed_precision: Any = None, device_mesh: DeviceMesh | None = None,
                  skip_all_reduce_unused_params: bool = False,
                  bucket_cap_mb_list: list[float] | None = None,
                  batched_grad_copy: bool = False, forward_sync_buffers: bool | None = None) -> None:
@@ -404,7 +408,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self._all_params[0].device
 
     @property
-    def join_process_group(self) -> Any:
+    def join_process_group(self) -> ProcessGroup:
         return self.process_group
 
     @staticmethod
