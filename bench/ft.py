@@ -135,11 +135,12 @@ def _one(tmp: Path, mode: str, layout: str, steps: int, kill: tuple[int, int] | 
     return result
 
 
-def _fmt(xs: list[float], unit: str = "s") -> str:
+def _fmt(xs: list[float], unit: str = " s", digits: int = 2) -> str:
     xs = [x for x in xs if isinstance(x, float) and not math.isnan(x)]
     if not xs:
         return "-"
-    return f"{statistics.median(xs):.2f} {unit} ({min(xs):.2f}-{max(xs):.2f})"
+    return (f"{statistics.median(xs):.{digits}f}{unit} ({min(xs):.{digits}f}-"
+            f"{max(xs):.{digits}f})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(_table_row(layout, base, got, a.runs))
     headers = ["layout", "ft: finished / identical", "ft: survivors' stall", "ft: heal step",
                "ft: lost per failure", "ft: replica back after", "restart: finished",
-               "restart: lost per failure", "final loss ft / restart / uninterrupted"]
+               "restart: lost per failure", "median step ft / restart", "final loss ft",
+               "final loss restart", "final loss uninterrupted"]
     _common.emit(lambda md: (_common.markdown_table if md else _common.text_table)(headers, rows),
                  lambda md: _common.preamble("ringlet.ft: kill a random rank", [
                      (f"{NPROC} processes; {a.steps} steps; checkpoint every {a.ckpt_every} "
@@ -193,8 +195,15 @@ def _table_row(layout: str, base: dict, got: dict, runs: int) -> list[str]:
             _fmt([r.get("stall") for r in ft]), _fmt([r.get("heal") for r in ft]),
             _fmt([r.get("lost") for r in ft]), _fmt([r.get("rejoin") for r in ft]),
             f"{sum(r['ok'] for r in rs)}/{runs}", _fmt([r.get("lost") for r in rs]),
-            " / ".join(_fmt([r["final"] for r in x if r["final"] is not None], "")
-                       for x in (ft, rs, [base["ft"]]))]
+            (f"{_median([r.get('step_s') for r in ft]) * 1e3:.1f} / "
+             f"{_median([r.get('step_s') for r in rs]) * 1e3:.1f} ms"),
+            *(_fmt([r["final"] for r in x if r["final"] is not None], "", 4)
+              for x in (ft, rs, [base["ft"], base["restart"]]))]
+
+
+def _median(xs: list[object]) -> float:
+    got = [x for x in xs if isinstance(x, float) and not math.isnan(x)]
+    return statistics.median(got) if got else float("nan")
 
 
 if __name__ == "__main__":
