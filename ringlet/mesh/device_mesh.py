@@ -418,13 +418,13 @@ def joined_world(device_type: str) -> Any:
     return w
 
 
-def compute_device(mesh: DeviceMesh) -> torch.device:
+def compute_device(mesh: DeviceMesh | object) -> torch.device:
     """The device the ranks of ``mesh`` compute on: its type (``cuda``: the current CUDA device,
     which ``init_process_group(device_id=...)`` or ``torch.cuda.set_device`` chose).
 
     DTensor and ``fully_shard`` put tensors that are not there yet on this device, as torch does.
     """
-    kind = mesh.device_type
+    kind = str(getattr(mesh, "device_type", "cpu"))   # a mesh-like object without one: CPU
     if kind == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(kind)
