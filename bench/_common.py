@@ -151,6 +151,24 @@ def run_ranks(n: int, fn: Callable[..., Any], *args: Any, backend: str, timeout:
         raise RuntimeError(str(e)) from None
 
 
+def run_and_report(cfg: Any, rank_main: Callable[..., Any],
+                   render: Callable[[Any, Any, bool], str],
+                   preamble: Callable[[Any, dict[str, str], bool], str],
+                   backend: str = "shm") -> int:
+    """The whole of a ranks-beside-gloo benchmark's ``main``: print the preamble, run
+    ``rank_main`` on ``cfg.ranks`` ranks (:func:`run_beside_gloo`), print rank 0's result with
+    ``render`` and write it as Markdown to ``cfg.markdown`` when given; 1 when the run failed."""
+    info = machine_info()
+    print(preamble(cfg, info, False), flush=True)
+    values = run_beside_gloo(cfg.ranks, rank_main, cfg, backend=backend, timeout=cfg.timeout,
+                             op_timeout=cfg.op_timeout)
+    if values is None:
+        return 1
+    emit(lambda md: render(cfg, values[0], md), lambda md: preamble(cfg, info, md),
+         cfg.markdown)
+    return 0
+
+
 def run_beside_gloo(n: int, fn: Callable[..., Any], *args: Any, backend: str, timeout: float,
                     op_timeout: float) -> list[Any] | None:
     """:func:`run_ranks` of ``fn(rank, n, *args, gloo_init)``, where ``gloo_init`` lets each rank

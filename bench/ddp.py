@@ -461,16 +461,7 @@ def preamble(cfg: Config, info: dict[str, str], markdown: bool) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse_args(argv)
-    info = common.machine_info()
-    print(preamble(cfg, info, markdown=False), flush=True)
-    values = common.run_beside_gloo(cfg.ranks, _rank_main, cfg, backend="shm",
-                                    timeout=cfg.timeout, op_timeout=cfg.op_timeout)
-    if values is None:
-        return 1
-    common.emit(lambda md: render(cfg, values[0], markdown=md),
-                lambda md: preamble(cfg, info, markdown=md), cfg.markdown)
-    return 0
+    return common.run_and_report(parse_args(argv), _rank_main, render, preamble)
 
 
 if __name__ == "__main__":

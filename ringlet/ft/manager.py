@@ -45,6 +45,7 @@ __all__ = ["Manager", "StepReport"]
 
 log = logging.getLogger("ringlet.ft")
 _MAX_RETRIES = 3     # a reduction that fails this often with the same members is not a fault
+_Flat = tuple[list[torch.Tensor], torch.Tensor]   # gradients of one dtype, their flat sum
 
 
 @dataclass
@@ -190,15 +191,17 @@ class Manager:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [_state._local(p.grad) for p in plist if p.grad is not None]
-        saved = [g.clone() for g in grads] if self.num_participants() > 1 else []
         same_members = 0
         while True:
-            err = self._reduce(grads)
+            # The sums land in flat buffers; the gradients are overwritten only once the step is
+            # committed, so a failed attempt leaves this replica's own gradients to retry with.
+            flats, err = self._reduce(grads)
             self._broken = self._broken or err is not None
             if isinstance(err, CollectiveMismatchError):    # a bug in the program, not a fault
                 raise err
             if vote(self._store, self._quorum, self._decision.round, self._decision,
                     err is None, self.timeout):
+                self._write_back(flats)
                 self._pending = True
                 return True
             members = self.participants()
@@ -206,8 +209,6 @@ class Manager:
                        f"failed ({_short(err) if err else 'a peer failed'}); retrying over "
                        "the live ones")
             self.report.failed_reductions += 1
-            for g, s in zip(grads, saved, strict=True):
-                g.copy_(s)
             if not self._settle("retry"):
                 self._note(f"step {self._step}: left out of the retry (too slow); this replica "
                            "heals at the next step")
@@ -380,30 +381,32 @@ class Manager:
             group.abort(f"replica(s) {sorted(dead)} stopped answering (no heartbeat for "
                         f"{self._quorum.heartbeat:.1f} s)")
 
-    def _reduce(self, grads: list[torch.Tensor]) -> BaseException | None:
+    def _reduce(self, grads: list[torch.Tensor]) -> tuple[list[_Flat], BaseException | None]:
+        """Sum ``grads`` over the replica group into one flat buffer per dtype (the gradients
+        themselves untouched); the error of a failed attempt instead of raising it."""
         if self._group is None or self._decision is None:
-            return None
+            return [], None
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        flats = [(same, torch.cat([g.reshape(-1) for g in same])) for same in by_dtype.values()]
         with self._quorum.watch(self._decision, self._abort_for):
-            return self._reduce_on_group(grads)
+            try:
+                for _, flat in flats:
+                    all_reduce(flat, group=self._group)
+            except DistError as e:
+                return [], e
+        return flats, None
 
-    def _reduce_on_group(self, grads: list[torch.Tensor]) -> BaseException | None:
-        try:
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for g in grads:
-                by_dtype.setdefault(g.dtype, []).append(g)
-            for same in by_dtype.values():
-                flat = torch.cat([g.reshape(-1) for g in same])
-                all_reduce(flat, group=self._group)
-                flat.div_(self.num_participants())
-                offset = 0
-                for g in same:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
-        except DistError as e:
-            return e
-        if len(grads) and self.num_participants() == 1:
-            raise AssertionError("a group of one replica never reduces")
-        return None
+    def _write_back(self, flats: list[_Flat]) -> None:
+        """The committed averages into the gradients."""
+        n = self.num_participants()
+        for same, flat in flats:
+            flat.div_(n)
+            offset = 0
+            for g in same:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def _note(self, line: str) -> None:
         self.report.events.append(line)

@@ -20,7 +20,7 @@ import time
 
 from ringlet.launcher._job import Run, failure_summary, worker_specs
 from ringlet.launcher._runtime import say
-from ringlet.launcher._supervisor import Generation, WorkerFailure, WorkerStartError
+from ringlet.launcher._supervisor import Generation, WorkerStartError
 
 __all__ = ["supervise_replicas"]
 
@@ -53,7 +53,6 @@ def supervise_replicas(run: Run) -> int:
     gens: dict[int, Generation] = {}
     restarts = dict.fromkeys(range(first, first + count), 0)
     finished: set[int] = set()
-    failed_at_end: list[WorkerFailure] = []
     used = 0
     try:
         for r in restarts:
@@ -77,7 +76,6 @@ def supervise_replicas(run: Run) -> int:
                     say(f"replica {r}: rank {failures[0].rank} failed with "
                         f"{failures[0].reason} after replica(s) {sorted(finished)} finished; "
                         "not restarted")
-                    failed_at_end.extend(failures)
                     continue
                 if used >= config.max_restarts:
                     print(failure_summary(failures[0], failures[1:], used + 1, run.run_id),
